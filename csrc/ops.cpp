@@ -1,0 +1,42 @@
+// The one place kvkernels op schemas are defined. Implementations register elsewhere:
+//   CPU   : csrc/cpu/ops_cpu.cpp (C++ over the shared headers) and kvkernels/ops.py (the PyTorch reference)
+//   CUDA  : csrc/cuda/torch_bindings.cpp (compiled kernels), else kvkernels/ops.py registers the Triton ones
+//   Meta  : kvkernels/ops.py (register_fake), so torch.compile can trace every op.
+// Shapes, dtypes and formulas: docs/FORMATS.md; argument checks with readable errors: kvkernels/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+// `import kvkernels._C` only has to run the static registrations below; the module itself is empty.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(kvkernels, m) {
+  // codes [..., N] (any integer dtype, values < 2^bits), N % 32 == 0  ->  int32 [..., N * bits / 32]
+  m.def("pack_bits(Tensor codes, int bits) -> Tensor");
+  // int32 [..., W], W % bits == 0  ->  uint8 codes [..., W * 32 / bits]
+  m.def("unpack_bits(Tensor packed, int bits) -> Tensor");
+  // Group quantization along the last dim (groups of group_size). mode: "sym" | "asym" | "hybrid".
+  // eta (asym only): calibrated zero/scale, 0 = plain min/max. Returns (codes int32 [..., L*bits/32],
+  // scales fp16 [..., L/G], zeros fp16 [..., L/G]); zeros are all 0 for sym.
+  m.def("quantize_groups(Tensor x, int bits, int group_size, str mode, float eta=0.0) -> (Tensor, Tensor, Tensor)");
+  // Same, written into caller buffers (narrowed views of a preallocated cache; any row strides).
+  m.def(
+      "quantize_groups_into(Tensor x, int bits, int group_size, str mode, float eta, Tensor(a!) codes, "
+      "Tensor(b!) scales, Tensor(c!) zeros) -> ()");
+  // Inverse of quantize_groups: fp32 [..., L].
+  m.def("dequantize_groups(Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, str mode) -> Tensor");
+  // InnerQ fused dequant-GEMV, groups along the reduction dim L:
+  //   y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes[b, h_kv, m, l]),  h_kv = h / (H_q / H_kv)
+  // x [B, H_q, L] or [B, H_q, T, L] (fp16/bf16/fp32); codes int32 [B, H_kv, M, L*bits/32];
+  // scales/zeros fp16 [B, H_kv, M, L/G]; x_scale fp32 [H_kv, L] or None. Returns fp32 [B, H_q, (T,) M].
+  m.def(
+      "gemv_inner_q(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, str mode, "
+      "Tensor? x_scale=None) -> Tensor");
+  // KIVI-layout fused dequant-GEMV, reduction over rows, groups along the packed columns C:
+  //   y[b, h, t, c] = sum_r x[b, h, t, r] * deq(codes[b, h_kv, r, c]),  scale/zero per (r, c / G)
+  // x [B, H_q, R] or [B, H_q, T, R]; codes int32 [B, H_kv, R, C*bits/32]; scales/zeros fp16 [B, H_kv, R, C/G].
+  // Returns fp32 [B, H_q, (T,) C].
+  m.def("gemv_kivi(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, int group_size) -> Tensor");
+}

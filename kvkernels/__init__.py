@@ -1,0 +1,31 @@
+"""kvkernels: fused kernels for quantized KV caches in LLM decoding.
+
+Ops live under torch.ops.kvkernels (schemas in csrc/ops.cpp); the typed wrappers below validate their
+arguments. kvkernels.reference is the pure-PyTorch spec. kvkernels.backends() says what can run here.
+"""
+
+from . import reference
+from ._backends import backends
+from .ops import (
+    dequantize_groups,
+    gemv_inner_q,
+    gemv_kivi,
+    pack_bits,
+    quantize_groups,
+    quantize_groups_into,
+    unpack_bits,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backends",
+    "dequantize_groups",
+    "gemv_inner_q",
+    "gemv_kivi",
+    "pack_bits",
+    "quantize_groups",
+    "quantize_groups_into",
+    "reference",
+    "unpack_bits",
+]

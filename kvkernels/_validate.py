@@ -1,0 +1,176 @@
+"""Argument checks shared by the public wrappers and the Python-registered kernels.
+
+Each failure names the argument and what was expected: TypeError for dtypes, ValueError for everything else.
+Only metadata is inspected (no device sync), so the checks are free to run on every call.
+"""
+
+import torch
+
+SUPPORTED_BITS = (1, 2, 3, 4)
+MODES = ("sym", "asym", "hybrid")
+FLOAT_ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK = 32
+
+
+def _fail(op: str, msg: str, exc=ValueError):
+    raise exc(f"kvkernels.{op}: {msg}")
+
+
+def check_bits(op: str, bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        _fail(op, f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def check_mode(op: str, mode: str) -> None:
+    if mode not in MODES:
+        _fail(op, f"mode must be one of {MODES}, got {mode!r}")
+
+
+def check_group_size(op: str, group_size: int, length: int, what: str) -> None:
+    if group_size <= 0 or group_size % BLOCK:
+        _fail(op, f"group_size must be a positive multiple of {BLOCK}, got {group_size}")
+    if length % group_size:
+        _fail(op, f"{what}={length} must be a multiple of group_size={group_size}")
+
+
+def check_dtype(op: str, name: str, t: torch.Tensor, allowed) -> None:
+    allowed = allowed if isinstance(allowed, tuple) else (allowed,)
+    if t.dtype not in allowed:
+        names = " or ".join(str(a).removeprefix("torch.") for a in allowed)
+        _fail(op, f"{name} must be {names}, got {str(t.dtype).removeprefix('torch.')}", TypeError)
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple) -> None:
+    if tuple(t.shape) != tuple(expected):
+        _fail(op, f"{name} must have shape {list(expected)}, got {list(t.shape)}")
+
+
+def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(op, f"{name} must have stride 1 in its last dim (row strides may be anything), got {t.stride()}")
+
+
+def check_same_device(op: str, **tensors) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        _fail(op, f"all tensors must be on one device, got {devices}")
+
+
+def _check_x(op: str, x: torch.Tensor) -> None:
+    if x.dim() not in (3, 4):
+        _fail(op, f"x must be [B, H_q, L] or [B, H_q, T, L], got shape {list(x.shape)}")
+    check_dtype(op, "x", x, FLOAT_ACTIVATIONS)
+    check_last_dim_contiguous(op, "x", x)
+
+
+def _check_kv_heads(op: str, x: torch.Tensor, codes: torch.Tensor) -> None:
+    if codes.dim() != 4:
+        _fail(op, f"codes must be 4-D [B, H_kv, rows, words], got shape {list(codes.shape)}")
+    check_dtype(op, "codes", codes, torch.int32)
+    check_last_dim_contiguous(op, "codes", codes)
+    if codes.shape[0] != x.shape[0]:
+        _fail(op, f"codes batch {codes.shape[0]} != x batch {x.shape[0]}")
+    if codes.shape[1] == 0 or x.shape[1] % codes.shape[1]:
+        _fail(op, f"query heads H_q={x.shape[1]} must be a multiple of KV heads H_kv={codes.shape[1]}")
+
+
+def _check_group_params(op, scales, zeros, expected, needs_zeros: bool) -> None:
+    check_dtype(op, "scales", scales, torch.float16)
+    check_shape(op, "scales", scales, expected)
+    check_last_dim_contiguous(op, "scales", scales)
+    if zeros is None:
+        if needs_zeros:
+            _fail(op, "zeros is required for asym and hybrid modes")
+        return
+    check_dtype(op, "zeros", zeros, torch.float16)
+    check_shape(op, "zeros", zeros, expected)
+    check_last_dim_contiguous(op, "zeros", zeros)
+
+
+def check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale=None) -> None:
+    op = "gemv_inner_q"
+    check_bits(op, bits)
+    check_mode(op, mode)
+    _check_x(op, x)
+    _check_kv_heads(op, x, codes)
+    L = x.shape[-1]
+    check_group_size(op, group_size, L, "x.shape[-1] (L)")
+    B, H_kv, M = codes.shape[:3]
+    if codes.shape[-1] != L // BLOCK * bits:
+        _fail(op, f"codes must hold L*bits/32 = {L // BLOCK * bits} words per row for L={L}, got {codes.shape[-1]}")
+    _check_group_params(op, scales, zeros, (B, H_kv, M, L // group_size), mode != "sym")
+    if x_scale is not None:
+        check_dtype(op, "x_scale", x_scale, torch.float32)
+        check_shape(op, "x_scale", x_scale, (H_kv, L))
+        check_last_dim_contiguous(op, "x_scale", x_scale)
+    check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros, x_scale=x_scale)
+
+
+def check_gemv_kivi(x, codes, scales, zeros, bits, group_size) -> None:
+    op = "gemv_kivi"
+    check_bits(op, bits)
+    _check_x(op, x)
+    _check_kv_heads(op, x, codes)
+    B, H_kv, R, W = codes.shape
+    if R != x.shape[-1]:
+        _fail(op, f"codes rows R={R} must equal x.shape[-1]={x.shape[-1]}")
+    if W % bits:
+        _fail(op, f"codes last dim {W} must be a multiple of bits={bits}")
+    C = W // bits * BLOCK
+    check_group_size(op, group_size, C, "C (columns)")
+    _check_group_params(op, scales, zeros, (B, H_kv, R, C // group_size), True)
+    check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros)
+
+
+def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:
+    check_bits(op, bits)
+    check_mode(op, mode)
+    check_dtype(op, "x", x, FLOAT_ACTIVATIONS)
+    if x.dim() < 1:
+        _fail(op, "x must have at least one dim")
+    check_group_size(op, group_size, x.shape[-1], "x.shape[-1]")
+    if not 0.0 <= eta < 0.5:
+        _fail(op, f"eta must be in [0, 0.5), got {eta}")
+    if eta and mode != "asym":
+        _fail(op, f"eta applies to asym mode only, got mode={mode!r} with eta={eta}")
+
+
+def check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros) -> None:
+    op = "quantize_groups_into"
+    check_quantize(op, x, bits, group_size, mode, eta)
+    lead = tuple(x.shape[:-1])
+    L = x.shape[-1]
+    check_dtype(op, "codes", codes, torch.int32)
+    check_shape(op, "codes", codes, lead + (L // BLOCK * bits,))
+    check_last_dim_contiguous(op, "codes", codes)
+    _check_group_params(op, scales, zeros, lead + (L // group_size,), True)
+    check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros)
+
+
+def check_dequantize(codes, scales, zeros, bits, group_size, mode) -> None:
+    op = "dequantize_groups"
+    check_bits(op, bits)
+    check_mode(op, mode)
+    check_dtype(op, "codes", codes, torch.int32)
+    if codes.dim() < 1 or codes.shape[-1] % bits:
+        _fail(op, f"codes last dim must be a multiple of bits={bits}, got shape {list(codes.shape)}")
+    L = codes.shape[-1] // bits * BLOCK
+    check_group_size(op, group_size, L, "L")
+    _check_group_params(op, scales, zeros, tuple(codes.shape[:-1]) + (L // group_size,), mode != "sym")
+
+
+def check_pack(codes, bits) -> None:
+    op = "pack_bits"
+    check_bits(op, bits)
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        _fail(op, f"codes must be an integer tensor, got {codes.dtype}", TypeError)
+    if codes.dim() < 1 or codes.shape[-1] % BLOCK:
+        _fail(op, f"codes last dim must be a multiple of {BLOCK}, got shape {list(codes.shape)}")
+
+
+def check_unpack(packed, bits) -> None:
+    op = "unpack_bits"
+    check_bits(op, bits)
+    check_dtype(op, "packed", packed, torch.int32)
+    if packed.dim() < 1 or packed.shape[-1] % bits:
+        _fail(op, f"packed last dim must be a multiple of bits={bits}, got shape {list(packed.shape)}")

@@ -1,0 +1,50 @@
+"""Fused dequant-GEMV ops, reference implementation: literally dequantize, then matmul in fp32.
+
+Readable on purpose; it is the spec the CUDA and Triton kernels are held to, and the CPU backend.
+Shapes (docs/FORMATS.md): B batch, H_q query heads, H_kv KV heads (H_q % H_kv == 0), T query rows per head
+(q_len, optional), L / R reduction length, M / C output length, G group size.
+"""
+
+import torch
+
+from .quant import dequantize_groups
+
+
+def _as_4d(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    # x: [B, H_q, L] or [B, H_q, T, L]  ->  [B, H_q, T, L], and whether T was given
+    return (x, True) if x.dim() == 4 else (x.unsqueeze(2), False)
+
+
+def _expand_heads(w: torch.Tensor, h_q: int) -> torch.Tensor:
+    # w: [B, H_kv, ...] -> [B, H_q, ...]: query head h reads KV head h // (H_q / H_kv)
+    return w.repeat_interleave(h_q // w.shape[1], dim=1)
+
+
+def gemv_inner_q(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    mode: str,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes)[b, h_kv, m, l]  (fp32)."""
+    x4, has_t = _as_4d(x)
+    xf = x4.to(torch.float32)  # [B, H_q, T, L]
+    if x_scale is not None:
+        xf = xf * _expand_heads(x_scale.to(torch.float32).unsqueeze(0), xf.shape[1]).unsqueeze(2)
+    w = dequantize_groups(codes, scales, zeros, bits, group_size, mode)  # [B, H_kv, M, L]
+    y = xf @ _expand_heads(w, xf.shape[1]).transpose(-1, -2)  # [B, H_q, T, M]
+    return y if has_t else y.squeeze(2)
+
+
+def gemv_kivi(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """y[b, h, t, c] = sum_r x[b, h, t, r] * deq(codes)[b, h_kv, r, c]  (fp32), asym groups along c."""
+    x4, has_t = _as_4d(x)
+    w = dequantize_groups(codes, scales, zeros, bits, group_size, "asym")  # [B, H_kv, R, C]
+    y = x4.to(torch.float32) @ _expand_heads(w, x4.shape[1])  # [B, H_q, T, C]
+    return y if has_t else y.squeeze(2)

@@ -1,0 +1,50 @@
+"""Build kvkernels._C: op schemas + C++ CPU ops always; CUDA kernels when a CUDA torch and toolkit exist.
+
+KVKERNELS_CUDA=0/1 overrides the detection. TORCH_CUDA_ARCH_LIST defaults to sm_80, sm_87 (Jetson Orin), sm_90.
+Build with `pip install --no-build-isolation -e .` so pip does not fetch a second (CUDA) torch.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;8.7;9.0"
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("KVKERNELS_CUDA")
+    if forced is not None:
+        return forced == "1"
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def extension():
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    if not want_cuda():
+        print("kvkernels: building the C++ extension without CUDA kernels")
+        return cpp_extension.CppExtension(
+            "kvkernels._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    print(f"kvkernels: building CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
+    sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    return cpp_extension.CUDAExtension(
+        "kvkernels._C",
+        sources,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags + ["-DKVKERNELS_WITH_CUDA"], "nvcc": nvcc_flags},
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
