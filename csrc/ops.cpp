@@ -21,9 +21,10 @@ TORCH_LIBRARY(kvkernels, m) {
   // eta (asym only): calibrated zero/scale, 0 = plain min/max. Returns (codes int32 [..., L*bits/32],
   // scales fp16 [..., L/G], zeros fp16 [..., L/G]); zeros are all 0 for sym.
   m.def("quantize_groups(Tensor x, int bits, int group_size, str mode, float eta=0.0) -> (Tensor, Tensor, Tensor)");
-  // Same, written into caller buffers (narrowed views of a preallocated cache; any row strides).
+  // Same, written into caller buffers (narrowed views of a preallocated cache; any row strides). The mode
+  // argument is named quant_mode here because torch's functionalization of mutating ops passes its own `mode`.
   m.def(
-      "quantize_groups_into(Tensor x, int bits, int group_size, str mode, float eta, Tensor(a!) codes, "
+      "quantize_groups_into(Tensor x, int bits, int group_size, str quant_mode, float eta, Tensor(a!) codes, "
       "Tensor(b!) scales, Tensor(c!) zeros) -> ()");
   // Inverse of quantize_groups: fp32 [..., L].
   m.def("dequantize_groups(Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, str mode) -> Tensor");

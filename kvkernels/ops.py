@@ -16,7 +16,15 @@ from . import _validate as V
 from . import reference
 from ._backends import HAS_C, HAS_TRITON, _has_cuda_kernel, require_c
 
-OPS = ("pack_bits", "unpack_bits", "quantize_groups", "quantize_groups_into", "dequantize_groups", "gemv_inner_q", "gemv_kivi")
+OPS = (
+    "pack_bits",
+    "unpack_bits",
+    "quantize_groups",
+    "quantize_groups_into",
+    "dequantize_groups",
+    "gemv_inner_q",
+    "gemv_kivi",
+)
 
 _CHECKS = {
     "pack_bits": V.check_pack,
@@ -124,7 +132,9 @@ def pack_bits(codes: torch.Tensor, bits: int, check_range: bool = True) -> torch
     if check_range and codes.numel():
         lo, hi = int(codes.min()), int(codes.max())
         if lo < 0 or hi >= 2**bits:
-            raise ValueError(f"kvkernels.pack_bits: codes must be in [0, {2**bits - 1}] for bits={bits}, got [{lo}, {hi}]")
+            raise ValueError(
+                f"kvkernels.pack_bits: codes must be in [0, {2**bits - 1}] for bits={bits}, got [{lo}, {hi}]"
+            )
     return torch.ops.kvkernels.pack_bits.default(codes, bits)
 
 

@@ -98,6 +98,11 @@ KVK_HD float round_half_even(float v) {
 
 KVK_HD float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// min/max that propagate NaN (fminf/fmaxf drop it), so a NaN input poisons its own group's scale, visibly,
+// instead of being silently coded as some level. Matches torch.amin/amax in the reference.
+KVK_HD float nan_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+KVK_HD float nan_min(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+
 // ---- dequantization parameters of one group: x ~= s * u + zeff ----
 struct GroupAffine {
   float s;
@@ -142,7 +147,7 @@ struct GroupQuant {
 
 KVK_HD GroupQuant quantize_group_sym(const float* x, int n, int bits, uint32_t* codes) {
   float amax = 0.f;
-  for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  for (int i = 0; i < n; ++i) amax = nan_max(amax, fabsf(x[i]));
   const float off = sym_offset_rt(bits);
   const float qmax = static_cast<float>((1 << bits) - 1);
   const uint16_t sb = float_to_half_bits(amax / off);
@@ -162,8 +167,8 @@ KVK_HD GroupQuant quantize_group_sym(const float* x, int n, int bits, uint32_t* 
 KVK_HD GroupQuant quantize_group_asym(const float* x, int n, int bits, float eta, uint32_t* codes) {
   float mn = x[0], mx = x[0];
   for (int i = 1; i < n; ++i) {
-    mn = fminf(mn, x[i]);
-    mx = fmaxf(mx, x[i]);
+    mn = nan_min(mn, x[i]);
+    mx = nan_max(mx, x[i]);
   }
   const float qmax = static_cast<float>((1 << bits) - 1);
   const float s = round_to_half((mx - mn) / qmax);

@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
+# Both create .venv (torch 2.13 CPU wheel first, so pip never pulls a CUDA torch) and build kvkernels._C.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvkernels-built
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h')
+
+.PHONY: demo test venv lint format nvcc-check bench clean
+
+demo: $(STAMP)
+	$(PY) -m kvkernels demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -rs
+
+venv: $(STAMP)
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja
+	$(PY) -m pip install -q torch==2.13.0
+	touch $@
+
+$(STAMP): $(VENV)/.torch setup.py pyproject.toml $(CSRC)
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,demo]"
+	touch $@
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvkernels triton_kernels tests bench
+	$(PY) -m ruff format --check kvkernels triton_kernels tests bench
+
+format: $(STAMP)
+	$(PY) -m ruff format kvkernels triton_kernels tests bench
+	$(PY) -m ruff check --fix kvkernels triton_kernels tests bench
+
+nvcc-check:
+	bash .ci/nvcc_check.sh
+
+bench: $(STAMP)
+	$(PY) -m kvkernels bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvkernels/_C*.so

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+import torch
+
+import kvkernels
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def devices():
+    return ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@pytest.fixture(params=devices())
+def device(request):
+    return request.param
+
+
+requires_c = pytest.mark.skipif(not kvkernels.backends()["cpp"] == "available", reason="kvkernels._C not built")
