@@ -18,7 +18,7 @@ venv: $(STAMP)
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja
+	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja numpy
 	$(PY) -m pip install -q torch==2.13.0
 	touch $@
 

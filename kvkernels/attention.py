@@ -1,0 +1,174 @@
+"""Decode attention over a quantized layer cache (InnerQ paper, Figure 2), built on the fused kvkernels ops.
+
+For queries q [B, H_q, T, D] (the last T tokens of the cache; GQA: query head h reads KV head h // (H_q/H_kv)):
+
+    x      = q * scale                                                        (fp32)
+    S      = [ x K_sink^T  |  S_quant  |  x K_tail^T ]                        one score per key token, in order
+    S_quant: InnerQ  gemv_inner_q(x, codes of K / norm, x_scale=norm) = (x * norm) . deq(K / norm) ~ x . K
+             KIVI    gemv_kivi(x, key codes)  (keys stored per channel, so the GEMV reduces over channels)
+    P      = softmax(S + causal mask)                                         ONE softmax over all N tokens, fp32
+    O      = P[sink] V_sink + V_quant(P[value-store tokens]) + P[value tail] V_tail
+    V_quant: InnerQ  gemv_inner_q(P_q, value codes)  (values stored transposed, groups along tokens)
+             KIVI    gemv_kivi(P_q, value codes)     (values stored per token)
+
+The key and value stores cover different token ranges (module docstring of kvkernels.cache), so P is split at
+the value-side boundaries, not the key-side ones. The fp16 window products are done in fp32 (the windows are at
+most w + G - 1 tokens, so the upcast is negligible next to the quantized GEMVs).
+
+Causal mask for T > 1: query row t sits at position N - T + t and sees key tokens j <= N - T + t. The mask is
+applied to the concatenated scores, so it is correct wherever those tokens live (fp16 tail or quantized store).
+A caller's attn_mask (padding, trees of speculative drafts) replaces it, again over all N tokens in order.
+"""
+
+import torch
+
+from . import ops
+from .formats import InnerQConfig, KIVIConfig
+
+
+def _grouped_matmul(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    # x [B, H_q, T, L] fp32, kv [B, H_kv, L, M] -> [B, H_q, T, M]; query head h reads kv head h // (H_q / H_kv)
+    B, H_q, T, L = x.shape
+    H_kv = kv.shape[1]
+    y = x.reshape(B, H_kv, (H_q // H_kv) * T, L) @ kv
+    return y.reshape(B, H_q, T, kv.shape[-1])
+
+
+def _causal_mask(T: int, N: int, device) -> torch.Tensor:
+    # True where key j is in the future of query row t (position N - T + t)
+    rows = torch.arange(N - T, N, device=device)[:, None]
+    return torch.arange(N, device=device)[None, :] > rows  # [T, N]
+
+
+def _apply_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    # scores [B, H_q, T, N] fp32, token order. None: causal among the last T rows; else the caller's mask.
+    B, H_q, T, N = scores.shape
+    if attn_mask is None:
+        return scores.masked_fill(_causal_mask(T, N, scores.device), float("-inf")) if T > 1 else scores
+    if (
+        attn_mask.dim() != 4
+        or tuple(attn_mask.shape[-2:]) != (T, N)
+        or attn_mask.shape[0] not in (1, B)
+        or attn_mask.shape[1] not in (1, H_q)
+    ):
+        raise ValueError(f"attn_mask must be [B or 1, H_q or 1, T={T}, N={N}], got {list(attn_mask.shape)}")
+    if attn_mask.dtype == torch.bool:
+        # finfo.min rather than -inf: a fully masked row (a padding query) averages instead of giving NaN
+        return scores.masked_fill(~attn_mask, torch.finfo(torch.float32).min)
+    return scores + attn_mask.to(torch.float32)
+
+
+def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, batch: int, seq_len: int) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, H_q, T, D], got shape {list(q.shape)}")
+    B, H_q, T, D = q.shape
+    if B != batch or D != head_dim:
+        raise ValueError(f"q must be [B={batch}, H_q, T, D={head_dim}], got {list(q.shape)}")
+    if H_q % num_kv_heads:
+        raise ValueError(f"query heads H_q={H_q} must be a multiple of KV heads H_kv={num_kv_heads}")
+    if T < 1:
+        raise ValueError("q needs at least one query row (T >= 1)")
+    if T > seq_len:
+        raise ValueError(f"q has T={T} rows but the cache holds {seq_len} tokens; append the new tokens first")
+
+
+def _quantized_key_scores(x: torch.Tensor, cache) -> torch.Tensor:
+    cfg, store = cache.config, cache.key_store
+    B, H_q, T, _ = x.shape
+    if store.n == 0:
+        return x.new_zeros(B, H_q, T, 0)
+    codes, scales, zeros = store.views()
+    if isinstance(cfg, InnerQConfig):
+        # keys stored as K / norm, rows per token: the op folds norm back in on the query side
+        return ops.gemv_inner_q(x, codes, scales, zeros, cfg.key_bits, cfg.group_size, cfg.key_mode, cache.key_norm)
+    return ops.gemv_kivi(x, codes, scales, zeros, cfg.bits, cfg.group_size)
+
+
+def _quantized_value_output(p: torch.Tensor, cache) -> torch.Tensor:
+    cfg, store = cache.config, cache.value_store
+    B, H_q, T, _ = p.shape
+    if store.n == 0:
+        return p.new_zeros(B, H_q, T, cache.head_dim)
+    codes, scales, zeros = store.views()
+    if isinstance(cfg, InnerQConfig):
+        return ops.gemv_inner_q(p, codes, scales, zeros, cfg.value_bits, cfg.group_size, cfg.value_mode)
+    return ops.gemv_kivi(p, codes, scales, zeros, cfg.bits, cfg.group_size)
+
+
+def decode_attention(
+    q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of q [B, H_q, T, D] over an InnerQLayerCache / KIVILayerCache; returns [B, H_q, T, D] in q.dtype.
+
+    scale defaults to D**-0.5. The T rows are the last T tokens of the cache. attn_mask None: causal among
+    them. Otherwise attn_mask [B or 1, H_q or 1, T, N] over all N cached tokens in token order replaces the
+    causal mask, as SDPA's attn_mask does: bool (True = attend; a fully masked row gets a uniform average, not
+    NaN) or float (added to the scores).
+    """
+    if not isinstance(cache.config, (InnerQConfig, KIVIConfig)):
+        raise TypeError(f"cache.config must be an InnerQConfig or KIVIConfig, got {type(cache.config).__name__}")
+    N = cache.seq_len
+    _check_q(q, cache.num_kv_heads, cache.head_dim, cache.batch, N)
+    if q.device != cache.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
+    D = q.shape[3]
+    scale = D**-0.5 if scale is None else float(scale)
+    x = q.to(torch.float32) * scale  # [B, H_q, T, D]
+
+    scores = torch.cat(
+        [
+            _grouped_matmul(x, cache.sink_keys.to(torch.float32).transpose(2, 3)),
+            _quantized_key_scores(x, cache),
+            _grouped_matmul(x, cache.key_tail.to(torch.float32).transpose(2, 3)),
+        ],
+        dim=-1,
+    )  # [B, H_q, T, N] fp32
+    p = torch.softmax(_apply_mask(scores, attn_mask), dim=-1)
+
+    s, mv = cache.n_sink, cache.value_store.n  # value-side token ranges: [0, s) | [s, s + mv) | [s + mv, N)
+    out = _grouped_matmul(p[..., :s], cache.sink_values.to(torch.float32))
+    out = out + _quantized_value_output(p[..., s : s + mv], cache)
+    out = out + _grouped_matmul(p[..., s + mv :], cache.value_tail.to(torch.float32))
+    return out.to(q.dtype)
+
+
+def innerq_decode_attention(
+    q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """decode_attention for an InnerQLayerCache (Figure 2 of the InnerQ paper)."""
+    if not isinstance(cache.config, InnerQConfig):
+        raise TypeError(f"innerq_decode_attention needs an InnerQ cache, got config {type(cache.config).__name__}")
+    return decode_attention(q, cache, scale, attn_mask)
+
+
+def kivi_decode_attention(
+    q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """decode_attention for a KIVILayerCache (same merge, KIVI layouts through gemv_kivi)."""
+    if not isinstance(cache.config, KIVIConfig):
+        raise TypeError(f"kivi_decode_attention needs a KIVI cache, got config {type(cache.config).__name__}")
+    return decode_attention(q, cache, scale, attn_mask)
+
+
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_full: torch.Tensor,
+    v_full: torch.Tensor,
+    scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain SDPA in fp32: q [B, H_q, T, D] over k_full, v_full [B, H_kv, N, D]; returns fp32 [B, H_q, T, D].
+
+    The T rows are the last T of the N tokens (causal among themselves unless attn_mask is given, with the
+    semantics of decode_attention); GQA by repeat_interleave.
+    """
+    B, H_kv, N, D = k_full.shape
+    _check_q(q, H_kv, D, B, N)
+    if v_full.shape != k_full.shape:
+        raise ValueError(f"k_full and v_full must match, got {list(k_full.shape)} and {list(v_full.shape)}")
+    scale = D**-0.5 if scale is None else float(scale)
+    g = q.shape[1] // H_kv
+    k = k_full.to(torch.float32).repeat_interleave(g, dim=1)
+    v = v_full.to(torch.float32).repeat_interleave(g, dim=1)
+    scores = (q.to(torch.float32) * scale) @ k.transpose(2, 3)
+    return torch.softmax(_apply_mask(scores, attn_mask), dim=-1) @ v

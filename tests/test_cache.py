@@ -1,0 +1,438 @@
+"""Per-layer quantized caches: window bookkeeping, growth, exact windows, stores vs independent quantization,
+memory accounting, and the batch / crop edits."""
+
+import pytest
+import torch
+
+import kvkernels
+from kvkernels.cache import InnerQLayerCache, KIVILayerCache
+from kvkernels.formats import PRESETS, InnerQConfig, KIVIConfig, effective_bits
+
+SMALL_INNERQ = InnerQConfig(key_bits=3, value_bits=2, value_mode="hybrid", w_sink=4, w_recent=8)
+SMALL_KIVI = KIVIConfig(bits=2, residual=8, w_sink=4, eta=0.1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # these tensors are tiny; intra-op threads only add contention on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_cache(config, B=1, H=2, D=64, capacity=64, dtype=torch.float32, device="cpu", **kw):
+    cls = InnerQLayerCache if isinstance(config, InnerQConfig) else KIVILayerCache
+    return cls(config, B, H, D, capacity=capacity, device=device, dtype=dtype, **kw)
+
+
+def kv(B, H, N, D, seed=0, outliers=False):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    if outliers:
+        k[..., 3] *= 20
+        k[..., 3 + D // 2] *= 20
+    return k, v
+
+
+def expected_counts(config, total):
+    """Closed form of the window state of a cache that was only ever appended to (no crop)."""
+    G, w = config.group_size, config.w_recent
+    sink = min(total, config.w_sink)
+    rest = total - sink
+    k_step, v_step = (1, G) if isinstance(config, InnerQConfig) else (G, 1)
+    kq = max(0, (rest - w) // k_step * k_step)
+    vq = max(0, (rest - w) // v_step * v_step)
+    return {
+        "sink": sink,
+        "key_quantized": kq,
+        "key_tail": rest - kq,
+        "value_quantized": vq,
+        "value_tail": rest - vq,
+        "total": total,
+    }
+
+
+CONFIGS = {"innerq": PRESETS["innerq_base"], "kivi": PRESETS["kivi2"], "innerq_small_w": SMALL_INNERQ}
+CONFIGS["kivi_sink_small_w"] = SMALL_KIVI
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configs
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: InnerQConfig(key_bits=5), "key_bits"),
+        (lambda: InnerQConfig(value_bits=0), "value_bits"),
+        (lambda: InnerQConfig(key_mode="nf4"), "key_mode"),
+        (lambda: InnerQConfig(value_mode="symm"), "value_mode"),
+        (lambda: InnerQConfig(group_size=48), "group_size"),
+        (lambda: InnerQConfig(group_size=0), "group_size"),
+        (lambda: InnerQConfig(w_sink=-1), "w_sink"),
+        (lambda: InnerQConfig(w_recent=-3), "w_recent"),
+        (lambda: KIVIConfig(bits=8), "bits"),
+        (lambda: KIVIConfig(eta=0.5), "eta"),
+        (lambda: KIVIConfig(eta=-0.1), "eta"),
+        (lambda: KIVIConfig(residual=-1), "residual"),
+        (lambda: KIVIConfig(group_size=16), "group_size"),
+    ],
+)
+def test_config_validation(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_effective_bits_of_presets():
+    want = {
+        "innerq_base": (3.5, 3.5, 3.5),
+        "innerq_small": (3.5, 2.5, 3.0),
+        "innerq_hybrid": (3.5, 3.0, 3.25),
+        "kivi2": (3.0, 3.0, 3.0),
+        "kivi4": (5.0, 5.0, 5.0),
+        "kivi1_eta": (2.0, 2.0, 2.0),
+    }
+    assert set(want) == set(PRESETS)
+    for name, (k, v, avg) in want.items():
+        e = effective_bits(PRESETS[name])
+        assert (e.key, e.value, e.average) == (k, v, avg), name
+    e = effective_bits(PRESETS["innerq_base"])
+    assert (e.fp16_key_tokens, e.fp16_value_tokens) == (128, 159)
+    assert e.with_windows(128) == 16.0
+    assert 3.5 < e.with_windows(4096) < 4.0
+    assert effective_bits(InnerQConfig(group_size=64, key_mode="asym")).key == 3.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# window bookkeeping
+
+
+@pytest.mark.parametrize("N", [0, 5, 40, 200])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_window_bookkeeping_over_appends(name, N):
+    config = CONFIGS[name]
+    D = 32
+    chunks = [1] * 40 + [3, 7, 1, 32, 5, 1, 1, 64, 2] + [1] * 10
+    k, v = kv(1, 1, N + sum(chunks), D)
+    c = make_cache(config, H=1, D=D, capacity=16)
+    c.prefill(k[:, :, :N], v[:, :, :N])
+    assert c.token_counts() == expected_counts(config, N)
+    pos = N
+    for n in chunks:
+        c.append(k[:, :, pos : pos + n], v[:, :, pos : pos + n])
+        pos += n
+        assert c.token_counts() == expected_counts(config, pos), (pos, n)
+        assert c.seq_len == pos
+    # bounds from the module docstring
+    G = config.group_size
+    counts = c.token_counts()
+    if isinstance(config, InnerQConfig):
+        assert counts["key_tail"] == config.w_recent and config.w_recent <= counts["value_tail"] < config.w_recent + G
+    else:
+        assert counts["value_tail"] == config.residual and config.residual <= counts["key_tail"] < config.residual + G
+    K, V = c.dequantized()
+    assert K.shape == V.shape == (1, 1, pos, D)
+
+
+def test_prefill_quantizes_outside_the_windows_at_once():
+    c = make_cache(PRESETS["innerq_base"], D=32)
+    k, v = kv(1, 2, 200, 32)
+    c.prefill(k, v)  # 168 after the sink: 72 keys leave, values only the 64 of whole groups
+    assert c.token_counts() == dict(
+        sink=32, key_quantized=72, key_tail=96, value_quantized=64, value_tail=104, total=200
+    )
+    c = make_cache(PRESETS["kivi2"], D=32)
+    c.prefill(k, v)  # KIVI: keys leave in groups (64 of 72), values one by one
+    assert c.token_counts() == dict(
+        sink=0, key_quantized=64, key_tail=136, value_quantized=72, value_tail=128, total=200
+    )
+
+
+@pytest.mark.parametrize("name", ["innerq", "kivi"])
+def test_prefill_equals_token_by_token_appends(name):
+    # with a fixed key norm, the stores do not depend on how the tokens arrived
+    config = CONFIGS[name]
+    k, v = kv(1, 2, 230, 64)
+    kw = {"key_norm_factors": torch.rand(2, 64) + 0.5} if name == "innerq" else {}
+    a, b = make_cache(config, **kw), make_cache(config, **kw)
+    a.prefill(k, v)
+    b.prefill(k[:, :, :3], v[:, :, :3])
+    for i in range(3, 230):
+        b.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    assert a.token_counts() == b.token_counts()
+    for x, y in zip(a.dequantized(), b.dequantized(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_capacity_grows_by_doubling_and_appends_never_copy():
+    c = make_cache(SMALL_INNERQ, D=32, capacity=0)
+    k, v = kv(1, 2, 300, 32)
+    c.prefill(k[:, :, :20], v[:, :, :20])
+    ks, vs = c.key_store, c.value_store
+    assert ks.cap == vs.cap == 32
+    ptr = ks.codes.data_ptr()
+    seen_caps = {32}
+    for i in range(20, 300):
+        before = c.dequantized()
+        stable = c.n_sink + min(ks.n, vs.n)  # sink + tokens quantized in both stores stay bit-identical
+        old_cap, old_ptr = ks.cap, ks.codes.data_ptr()
+        c.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        if ks.cap == old_cap:
+            assert ks.codes.data_ptr() == old_ptr  # written in place, no copy
+        else:
+            assert ks.cap == 2 * old_cap
+        seen_caps.add(ks.cap)
+        after = c.dequantized()
+        for x, y in zip(before, after, strict=True):  # what was there is untouched by the append / growth
+            assert torch.equal(x[:, :, :stable], y[:, :, :stable])
+    assert seen_caps == {32, 64, 128, 256, 512} and ks.codes.data_ptr() != ptr
+    assert vs.cap >= vs.n and vs.cap % 32 == 0
+    # a chunk larger than twice the capacity grows straight to what it needs
+    c2 = make_cache(PRESETS["kivi2"], D=32, capacity=0)
+    c2.prefill(*kv(1, 2, 700, 32))
+    assert c2.key_store.cap >= c2.key_store.n == 544 and c2.value_store.cap >= 572
+
+
+# ---------------------------------------------------------------------------------------------------------
+# contents
+
+
+def _group_bound(x, layout, bits, mode, eta, G):
+    """Per-element bound of |x - deq(quant(x))| for the groups of a store layout ([B, H, N, D] input)."""
+    xt = x if layout == "rows" else x.transpose(2, 3)
+    xg = xt.unflatten(-1, (-1, G))
+    amax = xg.abs().amax(-1, keepdim=True)
+    rng = xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)
+    qmax = 2**bits - 1
+    sym = amax / 2 ** (bits - 1)  # the top level is clipped, so the error reaches one step there
+    asym = rng / qmax * (0.5 + eta * qmax)
+    b = {"sym": sym, "asym": asym, "hybrid": torch.maximum(sym, asym)}[mode] * 1.01 + amax * 2e-3 + 1e-6
+    b = b.expand_as(xg).flatten(-2)
+    return b if layout == "rows" else b.transpose(2, 3)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
+    config = PRESETS[preset]
+    N = 260
+    k, v = kv(2, 2, N, 64, seed=1, outliers=True)
+    k, v = k.to(dtype), v.to(dtype)
+    c = make_cache(config, B=2, dtype=dtype)
+    c.prefill(k[:, :, :150], v[:, :, :150])
+    for i in range(150, N):
+        c.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    K, V = c.dequantized()
+    assert K.dtype == V.dtype == torch.float32
+    cnt = c.token_counts()
+    s = cnt["sink"]
+    G = config.group_size
+    innerq = isinstance(config, InnerQConfig)
+    eta = getattr(config, "eta", 0.0)
+    for name, x, X, layout, bits, mode in (
+        ("key", k, K, "rows" if innerq else "cols", config.key_bits, config.key_mode),
+        ("value", v, V, "cols" if innerq else "rows", config.value_bits, config.value_mode),
+    ):
+        m = cnt[f"{name}_quantized"]
+        assert torch.equal(X[:, :, :s], x[:, :, :s].float()), name  # sink: exact
+        assert torch.equal(X[:, :, s + m :], x[:, :, s + m :].float()), name  # tail: exact
+        # store: exactly an independent quantization of the same tokens (keys divided by the norm) ...
+        xq = x[:, :, s : s + m].float()
+        norm = c.key_norm[None, :, None, :] if (innerq and name == "key") else torch.ones(())
+        src = (xq / norm) if layout == "rows" else (xq / norm).transpose(2, 3)
+        codes, scales, zeros = kvkernels.quantize_groups(src, bits, G, mode, eta)
+        want = kvkernels.dequantize_groups(codes, scales, zeros, bits, G, mode)
+        want = (want if layout == "rows" else want.transpose(2, 3)) * norm
+        torch.testing.assert_close(X[:, :, s : s + m], want, rtol=1e-6, atol=1e-6)
+        # ... so within the quantizer's error bound
+        err = (X[:, :, s : s + m] - xq).abs()
+        assert bool((err <= _group_bound(xq / norm, layout, bits, mode, eta, G) * norm).all()), name
+
+
+def test_key_norm_fixed_at_prefill_and_reset():
+    k, v = kv(2, 2, 150, 64, outliers=True)
+    c = make_cache(PRESETS["innerq_base"], B=2)
+    assert c.key_norm is None
+    c.prefill(k[:, :, :140], v[:, :, :140])
+    norm = kvkernels.keynorm.compute_key_norm(k[:, :, :140], rope_paired=True)
+    assert torch.equal(c.key_norm, norm) and c.key_norm.shape == (2, 64) and c.key_norm.dtype == torch.float32
+    c.append(k[:, :, 140:] * 100, v[:, :, 140:])
+    assert torch.equal(c.key_norm, norm)  # fixed after prefill
+    c.reset()
+    assert c.key_norm is None and c.seq_len == 0
+    fixed = torch.rand(2, 64) + 0.5
+    c = make_cache(PRESETS["innerq_base"], B=2, key_norm_factors=fixed)
+    c.prefill(k, v)
+    assert torch.equal(c.key_norm, fixed)
+    c.reset()
+    assert torch.equal(c.key_norm, fixed)
+    c = make_cache(InnerQConfig(key_norm=False), B=2)
+    c.prefill(k, v)
+    assert c.key_norm is None
+    with pytest.raises(ValueError, match="key_norm"):
+        make_cache(InnerQConfig(key_norm=False), key_norm_factors=fixed)
+    with pytest.raises(ValueError, match="H_kv, D"):
+        make_cache(PRESETS["innerq_base"], key_norm_factors=torch.ones(2, 32))
+
+
+def test_zero_key_channel_gets_a_finite_norm():
+    k, v = kv(1, 2, 200, 64)
+    k[..., 5] = 0
+    k[..., 5 + 32] = 0
+    c = make_cache(PRESETS["innerq_base"])
+    c.prefill(k, v)
+    assert torch.isfinite(c.key_norm).all() and bool((c.key_norm > 0).all())
+    K, _ = c.dequantized()
+    assert torch.equal(K[..., 5], torch.zeros_like(K[..., 5]))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_memory_bytes_match_effective_bits(preset):
+    config = PRESETS[preset]
+    B, H, D = 2, 2, 64
+    c = make_cache(config, B=B, H=H, D=D, dtype=torch.float16)
+    c.prefill(*(t.half() for t in kv(B, H, 300, D)))
+    mem, cnt = c.memory_bytes(), c.token_counts()
+    e = effective_bits(config)
+    assert mem["key_quantized"] * 8 == e.key * B * H * D * cnt["key_quantized"]
+    assert mem["value_quantized"] * 8 == e.value * B * H * D * cnt["value_quantized"]
+    window_tokens = 2 * cnt["sink"] + cnt["key_tail"] + cnt["value_tail"]
+    assert mem["window"] == window_tokens * B * H * D * 2
+    assert mem["total"] == mem["quantized"] + mem["window"]
+    assert mem["fp16_equivalent"] == 2 * B * H * 300 * D * 2
+    assert mem["allocated"] >= mem["total"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# edits: batch ops and crop
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_reorder_select_repeat_on_quantized_part(name):
+    config = CONFIGS[name]
+    k, v = kv(3, 2, 200, 64, seed=2)
+    c = make_cache(config, B=3)
+    c.prefill(k, v)
+    assert c.key_store.n > 0 and c.value_store.n > 0
+    K, V = c.dequantized()
+
+    c.reorder([2, 0, 1])
+    K2, V2 = c.dequantized()
+    assert torch.equal(K2, K[[2, 0, 1]]) and torch.equal(V2, V[[2, 0, 1]])
+    with pytest.raises(ValueError, match="batch_select"):
+        c.reorder([0, 1])
+    with pytest.raises(IndexError):
+        c.reorder([0, 1, 3])
+
+    c.batch_repeat_interleave(2)
+    assert c.batch == 6
+    K3, V3 = c.dequantized()
+    assert torch.equal(K3, K2.repeat_interleave(2, 0)) and torch.equal(V3, V2.repeat_interleave(2, 0))
+
+    c.batch_select(torch.tensor([5, 0]))
+    assert c.batch == 2
+    K4, V4 = c.dequantized()
+    assert torch.equal(K4, K3[[5, 0]]) and torch.equal(V4, V3[[5, 0]])
+    # the cache keeps working at the new batch size
+    k2, v2 = kv(2, 2, 40, 64, seed=3)
+    for i in range(40):
+        c.append(k2[:, :, i : i + 1], v2[:, :, i : i + 1])
+    K5, _ = c.dequantized()
+    assert K5.shape == (2, 2, 240, 64) and torch.equal(K5[:, :, :32], K4[:, :, :32])
+
+
+def _filled(config, N=200, seed=4):
+    k, v = kv(1, 2, N, 64, seed=seed)
+    c = make_cache(config)
+    c.prefill(k[:, :, : N - 40], v[:, :, : N - 40])
+    for i in range(N - 40, N):
+        c.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    return c
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("cut", ["tail", "store_group_edge", "store_mid_group", "sink", "negative", "zero"])
+def test_crop(name, cut):
+    config = CONFIGS[name]
+    c = _filled(config)
+    K, V = c.dequantized()
+    cnt = c.token_counts()
+    s = cnt["sink"]
+    G = config.group_size
+    m = min(cnt["key_quantized"], cnt["value_quantized"])
+    assert m >= 2 * G
+    n = {
+        "tail": c.seq_len - 3,
+        "store_group_edge": s + G,
+        "store_mid_group": s + G + 7,
+        "sink": min(s, 2),
+        "negative": -5,
+        "zero": 0,
+    }[cut]
+    n_abs = n if n >= 0 else c.seq_len + n
+    c.crop(n)
+    assert c.seq_len == n_abs
+    K2, V2 = c.dequantized()
+    # the kept prefix is unchanged (a dequantized-back partial group is exact in an fp32 tail)
+    assert torch.equal(K2, K[:, :, :n_abs]) and torch.equal(V2, V[:, :, :n_abs])
+    if cut == "store_mid_group":
+        tails = (c.key_tail.shape[2], c.value_tail.shape[2])
+        assert sorted(tails) == [0, 7]  # only the tensor grouped along tokens moved 7 tokens back to fp16
+    # the cache keeps working: append back to 200 tokens; the old prefix stays close to what it was
+    k, v = kv(1, 2, 200 - n_abs, 64, seed=5)
+    for i in range(200 - n_abs):
+        c.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    assert c.seq_len == 200
+    K3, V3 = c.dequantized()
+    torch.testing.assert_close(K3[:, :, :n_abs], K2, rtol=0, atol=1.5)  # a re-quantized group may move a bit
+    torch.testing.assert_close(V3[:, :, :n_abs], V2, rtol=0, atol=1.5)
+    ck = c.token_counts()
+    assert ck["key_tail"] <= config.w_recent + G - 1 and ck["value_tail"] <= config.w_recent + G - 1
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_crop_speculative_chunk(name):
+    # append a draft chunk of 5, keep 2. The rejected tokens are all in the fp16 tails, but the chunk pushed 5
+    # tokens out of the one-per-step tail: crop keeps those quantized (never re-materialized), so the state
+    # differs from never having seen the draft only in those tokens being quantized early, and becomes
+    # identical once the same number of tokens has been appended (their quantization does not depend on when)
+    config = CONFIGS[name]
+    c, ref = _filled(config), _filled(config)
+    k, v = kv(1, 2, 8, 64, seed=6)
+    c.append(k[:, :, :5], v[:, :, :5])
+    c.crop(-3)
+    ref.append(k[:, :, :2], v[:, :, :2])
+    assert c.seq_len == ref.seq_len
+    (Kc, Vc), (Kr, Vr) = c.dequantized(), ref.dequantized()
+    s = c.n_sink
+    for x, y, qc, qr in ((Kc, Kr, c.key_store, ref.key_store), (Vc, Vr, c.value_store, ref.value_store)):
+        lo, hi = s + qr.n, s + qc.n  # quantized in c, still fp16 in ref
+        assert torch.equal(x[:, :, :lo], y[:, :, :lo]) and torch.equal(x[:, :, hi:], y[:, :, hi:])
+    per_token = "key" if isinstance(config, InnerQConfig) else "value"  # the tensor leaving one token per step
+    assert c.token_counts()[f"{per_token}_quantized"] - ref.token_counts()[f"{per_token}_quantized"] == 3
+    c.append(k[:, :, 5:], v[:, :, 5:])
+    ref.append(k[:, :, 5:], v[:, :, 5:])
+    assert c.token_counts() == ref.token_counts()
+    for x, y in zip(c.dequantized(), ref.dequantized(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_append_and_prefill_validation():
+    c = make_cache(PRESETS["innerq_base"], B=1, H=2, D=64)
+    k, v = kv(1, 2, 10, 64)
+    with pytest.raises(ValueError, match="B=1, H_kv=2"):
+        c.append(k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="both"):
+        c.append(k, v[:, :, :5])
+    c.prefill(k, v)
+    with pytest.raises(ValueError, match="empty cache"):
+        c.prefill(k, v)
+    c.append(k[:, :, :0], v[:, :, :0])  # no-op
+    assert c.seq_len == 10
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        make_cache(PRESETS["innerq_base"], D=48)
+    with pytest.raises(TypeError, match="InnerQConfig"):
+        InnerQLayerCache(PRESETS["kivi2"], 1, 2, 64, 16)
+    with pytest.raises(TypeError, match="KIVIConfig"):
+        KIVILayerCache(PRESETS["innerq_base"], 1, 2, 64, 16)
