@@ -6,6 +6,10 @@ arguments. kvkernels.reference is the pure-PyTorch spec. kvkernels.backends() sa
 
 from . import reference
 from ._backends import backends
+from .attention import decode_attention, reference_decode_attention
+from .cache import InnerQLayerCache, KIVILayerCache
+from .formats import PRESETS, InnerQConfig, KIVIConfig, effective_bits
+from .keynorm import compute_key_norm, fold_key_norm_into_attention
 from .ops import (
     dequantize_groups,
     gemv_inner_q,
@@ -19,7 +23,17 @@ from .ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "PRESETS",
+    "InnerQConfig",
+    "InnerQLayerCache",
+    "KIVIConfig",
+    "KIVILayerCache",
     "backends",
+    "compute_key_norm",
+    "decode_attention",
+    "effective_bits",
+    "fold_key_norm_into_attention",
+    "reference_decode_attention",
     "dequantize_groups",
     "gemv_inner_q",
     "gemv_kivi",

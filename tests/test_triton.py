@@ -1,0 +1,364 @@
+"""Triton backend (triton_kernels/) against the reference: GEMVs to accumulation-order tolerance, quantizers bit-exact.
+
+Runs on CPU under TRITON_INTERPRET=1 (how CI tests it) or on a CUDA GPU. The interpreter is slow, so shapes are
+small and the sweep is a list of combined cases (bits x mode x dtype x GQA x T x odd sizes x strides) rather
+than a cartesian product; every case still names what it covers.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+import torch
+
+from kvkernels import reference
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(),
+    reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run on CPU",
+)
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+if INTERPRET or torch.cuda.is_available():
+    import kvkernels.triton_kernels as tk
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# |triton - reference| <= RTOL * sum_l |x_l| |w_l| + ATOL: x enters both exactly (same fp16/bf16 values cast to
+# fp32), so the difference is fp32 accumulation order only.
+RTOL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 1e-3}
+ATOL = 1e-6
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())  # fixed per test id (hash() of a str changes between runs)
+
+
+def _strided(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """t as a narrowed view of a larger preallocated buffer full of garbage: every dim gets a margin on both
+    sides (the last keeps stride 1), so reads or writes outside the view corrupt the result."""
+    big = [s + 3 for s in t.shape[:-1]] + [t.shape[-1] + 5]
+    if t.dtype.is_floating_point:
+        buf = torch.full(big, float("nan"), dtype=t.dtype)
+    else:
+        buf = torch.randint(-(2**31), 2**31 - 1, big, generator=_gen(seed), dtype=torch.int64).to(t.dtype)
+    view = buf.to(DEVICE)[tuple(slice(1, 1 + s) for s in t.shape[:-1]) + (slice(2, 2 + t.shape[-1]),)]
+    view.copy_(t)
+    return view
+
+
+def _weights(shape, bits, G, mode, seed):
+    """Random weights quantized by the reference. Hybrid gets positive rows (asym wins) and a constant group
+    (asym with s == 0, stored as -0.0, in the last row) so both branches and the sign-bit rule are exercised."""
+    w = torch.randn(shape, generator=_gen(seed))
+    if mode == "hybrid":
+        w[..., ::3, :] += 3.0
+        w[..., -1, :G] = 1.25
+    return reference.quantize_groups(w, bits, G, mode)
+
+
+def _place(t, noncontig, seed):
+    return _strided(t, seed) if noncontig else t.to(DEVICE)
+
+
+def _check_close(y, ref, mag, dtype_name):
+    y, ref, mag = y.cpu(), ref.cpu(), mag.cpu()
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert torch.isfinite(y).all()
+    bad = (y - ref).abs() > RTOL[dtype_name] * mag + ATOL
+    assert not bad.any(), f"max |diff| {(y - ref).abs().max():.3g}, magnitude {mag.max():.3g}, {int(bad.sum())} bad"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gemv_inner_q
+
+# id: (bits, mode, dtype, B, H_kv, ratio, T, M, L, G, x_scale, noncontig)
+INNER_Q_CASES = {
+    "b4-sym-fp32-D128-M37-B2": (4, "sym", "fp32", 2, 2, 1, None, 37, 128, 32, False, False),
+    "b2-asym-fp16-gqa4-D64-xscale-strided": (2, "asym", "fp16", 1, 2, 4, None, 37, 64, 64, True, True),
+    "b3-hybrid-bf16-gqa8-T3-G96-xscale": (3, "hybrid", "bf16", 1, 1, 8, 3, 9, 96, 96, True, False),
+    "b1-hybrid-fp32-T16-M1-D256-B2-strided": (1, "hybrid", "fp32", 2, 1, 1, 16, 1, 256, 128, False, True),
+    "b3-sym-fp16-M8-L800-G160-split": (3, "sym", "fp16", 1, 1, 1, None, 8, 800, 160, False, False),
+    "b4-asym-bf16-gqa4-T16-xscale-strided": (4, "asym", "bf16", 1, 1, 4, 16, 5, 64, 32, True, True),
+    "b2-hybrid-fp32-gqa4-T3-D256-B2": (2, "hybrid", "fp32", 2, 1, 4, 3, 6, 256, 64, False, False),
+    "b1-asym-fp16-L32-M37": (1, "asym", "fp16", 1, 2, 1, 1, 37, 32, 32, False, False),
+    "b4-hybrid-fp16-M4-L416-split-strided-xscale": (4, "hybrid", "fp16", 1, 1, 1, None, 4, 416, 32, True, True),
+    "b1-sym-bf16-gqa8-M37-D64-B2-strided": (1, "sym", "bf16", 2, 2, 8, None, 37, 64, 32, False, True),
+    "b2-sym-fp32-gqa8-T16-M3-L96-xscale": (2, "sym", "fp32", 1, 1, 8, 16, 3, 96, 32, True, False),
+    "b3-asym-fp32-gqa4-T1-M37-D128-B2-xscale-strided": (3, "asym", "fp32", 2, 1, 4, 1, 37, 128, 128, True, True),
+    "b4-hybrid-bf16-gqa8-M37-L160": (4, "hybrid", "bf16", 1, 1, 8, None, 37, 160, 32, False, False),
+    "b1-asym-bf16-M16-L1024-G256-split": (1, "asym", "bf16", 1, 1, 1, None, 16, 1024, 256, False, False),
+    "b2-hybrid-fp16-T3-L160-G160-strided": (2, "hybrid", "fp16", 1, 1, 1, 3, 37, 160, 160, False, True),
+}
+
+
+@pytest.mark.parametrize("name", INNER_Q_CASES)
+def test_gemv_inner_q(name):
+    bits, mode, dt, B, H_kv, ratio, T, M, L, G, use_xs, noncontig = INNER_Q_CASES[name]
+    seed = _seed(name)
+    codes, scales, zeros = _weights((B, H_kv, M, L), bits, G, mode, seed)
+    x_shape = (B, H_kv * ratio, L) if T is None else (B, H_kv * ratio, T, L)
+    x = torch.randn(x_shape, generator=_gen(seed + 1)).to(DTYPES[dt])
+    xs = torch.rand(H_kv, L, generator=_gen(seed + 2)) + 0.5 if use_xs else None
+    z_in = None if mode == "sym" else zeros  # zeros are optional for sym
+
+    ref = reference.gemv_inner_q(x, codes, scales, z_in, bits, G, mode, xs)
+    # magnitude sum_l |x_l x_scale_l| |w_ml| with w the dequantized weights: the scale of the rounding error
+    x4 = (x if T else x.unsqueeze(2)).float().abs()  # [B, H_q, T, L]
+    if xs is not None:
+        x4 = x4 * xs.repeat_interleave(ratio, 0).unsqueeze(1)  # [H_q, 1, L]
+    wa = reference.dequantize_groups(codes, scales, zeros, bits, G, mode).abs().repeat_interleave(ratio, 1)
+    mag = x4 @ wa.transpose(-1, -2)
+    mag = mag if T else mag.squeeze(2)
+
+    args = [_place(t, noncontig, seed + k) for k, t in enumerate((x, codes, scales, zeros))]
+    if mode == "sym":
+        args[3] = None
+    xs_dev = None if xs is None else _place(xs, noncontig, seed + 9)
+    y = tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev)
+    _check_close(y, ref, mag, dt)
+    if "split" in name:  # the split path sums partials in a fixed order: run-to-run identical
+        assert torch.equal(y, tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev))
+
+
+def test_gemv_empty_sizes():
+    c, s, z = reference.quantize_groups(torch.randn(1, 1, 0, 64), 2, 32, "asym")  # M = 0 rows
+    y = tk.gemv_inner_q(torch.randn(1, 2, 64, device=DEVICE), c.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 2, 32, "asym")
+    assert y.shape == (1, 2, 0)
+    c, s, z = reference.quantize_groups(torch.randn(1, 1, 0, 64), 2, 32, "asym")  # R = 0 rows
+    y = tk.gemv_kivi(torch.randn(1, 2, 3, 0, device=DEVICE), c.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 2, 32)
+    assert y.shape == (1, 2, 3, 64) and not y.any()
+
+
+def test_gemv_inner_q_split_path_is_taken():
+    gq = importlib.import_module("kvkernels.triton_kernels.gemv_inner_q")
+    block_m, nb, _ = gq._tiles(1, 8, 25)
+    common = importlib.import_module("kvkernels.triton_kernels._common")
+    assert common.num_splits(triton.cdiv(8, block_m), triton.cdiv(25, nb), torch.device("cpu")) > 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gemv_kivi
+
+# id: (bits, dtype, B, H_kv, ratio, T, R, C, G, noncontig)
+KIVI_CASES = {
+    "b2-fp16-B2-R37-C128": (2, "fp16", 2, 2, 1, None, 37, 128, 32, False),
+    "b4-bf16-gqa4-T3-C64-strided": (4, "bf16", 1, 2, 4, 3, 20, 64, 64, True),
+    "b3-fp32-gqa8-C96-G96": (3, "fp32", 1, 1, 8, None, 21, 96, 96, False),
+    "b1-fp16-R300-split-strided": (1, "fp16", 1, 1, 1, None, 300, 64, 32, True),
+    "b3-bf16-T16-B2-C32": (3, "bf16", 2, 1, 1, 16, 17, 32, 32, False),
+    "b4-fp32-gqa4-C256-G128": (4, "fp32", 1, 1, 4, 1, 9, 256, 128, False),
+    "b1-bf16-gqa8-T16-R5-C64": (1, "bf16", 1, 1, 8, 16, 5, 64, 32, False),
+    "b2-fp32-B2-T3-R64-C32-strided": (2, "fp32", 2, 1, 1, 3, 64, 32, 32, True),
+    "b3-fp16-R1-C128": (3, "fp16", 1, 2, 1, None, 1, 128, 64, False),
+    "b4-fp16-R500-C128-split": (4, "fp16", 1, 1, 1, None, 500, 128, 128, False),
+    "b2-bf16-gqa4-C160-G32-strided": (2, "bf16", 1, 2, 4, None, 33, 160, 32, True),
+}
+
+
+@pytest.mark.parametrize("name", KIVI_CASES)
+def test_gemv_kivi(name):
+    bits, dt, B, H_kv, ratio, T, R, C, G, noncontig = KIVI_CASES[name]
+    seed = _seed(name)
+    codes, scales, zeros = _weights((B, H_kv, R, C), bits, G, "asym", seed)
+    x_shape = (B, H_kv * ratio, R) if T is None else (B, H_kv * ratio, T, R)
+    x = torch.randn(x_shape, generator=_gen(seed + 1)).to(DTYPES[dt])
+
+    ref = reference.gemv_kivi(x, codes, scales, zeros, bits, G)
+    wa = reference.dequantize_groups(codes, scales, zeros, bits, G, "asym").abs().repeat_interleave(ratio, 1)
+    x4 = x if T else x.unsqueeze(2)
+    mag = x4.float().abs() @ wa
+    mag = mag if T else mag.squeeze(2)
+
+    args = [_place(t, noncontig, seed + k) for k, t in enumerate((x, codes, scales, zeros))]
+    y = tk.gemv_kivi(*args, bits, G)
+    _check_close(y, ref, mag, dt)
+    if "split" in name:  # split path: fixed-order combine, run-to-run identical
+        assert torch.equal(y, tk.gemv_kivi(*args, bits, G))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantize / dequantize
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.cpu(), b.cpu()
+    if a.dtype == torch.float16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    return torch.equal(a, b)
+
+
+def _near_tie(x, bits, G, groups):
+    # hybrid compares two fp32 sums whose order differs between torch and Triton: a group may only flip where
+    # the errors agree to fp32 rounding
+    xg = x.float().unflatten(-1, (-1, G))
+    err_s = reference.quant._sym(xg, bits)[3]
+    err_a = reference.quant._asym(xg, bits)[4]
+    gap = (err_s - err_a).abs() / (err_s.abs() + err_a.abs() + 1e-30)
+    return bool((gap[groups] < 1e-5).all())
+
+
+def _assert_matches_reference(x, bits, G, mode, eta, got):
+    c, s, z = (t.cpu() for t in got)
+    c_ref, s_ref, z_ref = reference.quantize_groups(x.cpu(), bits, G, mode, eta)
+    same = s.view(torch.int16) == s_ref.view(torch.int16)
+    if mode == "hybrid" and not same.all():
+        assert _near_tie(x.cpu(), bits, G, ~same), "hybrid picked another mode outside a near-tie"
+        return
+    assert same.all()
+    assert _same_bits(z, z_ref)
+    assert torch.equal(c, c_ref)
+
+
+# id: (bits, mode, dtype, shape, G, eta)
+QUANT_CASES = {
+    "b1-sym-fp32": (1, "sym", "fp32", (3, 5, 64), 32, 0.0),
+    "b1-asym-eta.25-fp16": (1, "asym", "fp16", (7, 96), 32, 0.25),
+    "b2-hybrid-bf16-G64": (2, "hybrid", "bf16", (2, 3, 4, 128), 64, 0.0),
+    "b2-asym-fp32-G96": (2, "asym", "fp32", (5, 192), 96, 0.0),
+    "b3-sym-bf16-G96": (3, "sym", "bf16", (4, 96), 96, 0.0),
+    "b3-hybrid-fp32-G160": (3, "hybrid", "fp32", (3, 320), 160, 0.0),
+    "b4-asym-eta.1-bf16-G128": (4, "asym", "bf16", (6, 256), 128, 0.1),
+    "b4-hybrid-fp16": (4, "hybrid", "fp16", (2, 2, 5, 64), 32, 0.0),
+    "b4-sym-fp16-1d": (4, "sym", "fp16", (64,), 32, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", QUANT_CASES)
+def test_quantize_and_dequantize_match_reference(name):
+    bits, mode, dt, shape, G, eta = QUANT_CASES[name]
+    g = _gen(_seed(name))
+    x = torch.randn(shape, generator=g).reshape(-1, shape[-1])  # rows
+    x[::2] += 2.0  # positive rows: hybrid chooses asym there
+    x[1::3, :G] = 0.0  # all-zero groups
+    x[0, G - 32 : G] = -0.75  # a constant block
+    x[-1, :G] = 1.5  # a constant group (asym s == 0: hybrid stores -0.0)
+    x = x.reshape(shape).to(DTYPES[dt])
+
+    got = tk.quantize_groups(x.to(DEVICE), bits, G, mode, eta)
+    _assert_matches_reference(x, bits, G, mode, eta, got)
+    c, s, z = got
+    out = tk.dequantize_groups(c, s, None if mode == "sym" else z, bits, G, mode)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    assert torch.equal(out.cpu(), reference.dequantize_groups(c.cpu(), s.cpu(), z.cpu(), bits, G, mode))
+
+
+@pytest.mark.parametrize("bits, mode", [(3, "hybrid"), (1, "asym"), (2, "sym")], ids=["b3-hybrid", "b1-asym", "b2-sym"])
+def test_quantize_into_narrowed_cache_views(bits, mode):
+    # a preallocated cache [B, H, D, cap] quantized along tokens: write columns [64, 128) from a transposed view
+    B, H, D, cap, G = 2, 3, 5, 256, 32
+    codes = torch.zeros(B, H, D, cap // 32 * bits, dtype=torch.int32, device=DEVICE)
+    scales = torch.zeros(B, H, D, cap // G, dtype=torch.float16, device=DEVICE)
+    zeros = torch.zeros_like(scales)
+    v = torch.randn(B, H, 64, D, generator=_gen(bits)) + (1.0 if mode == "hybrid" else 0.0)
+    x = v.transpose(-1, -2).to(DEVICE)  # [B, H, D, 64], non-contiguous
+    eta = 0.25 if mode == "asym" else 0.0
+    w0, w1 = 64 // 32 * bits, 128 // 32 * bits
+    tk.quantize_groups_into(x, bits, G, mode, eta, codes[..., w0:w1], scales[..., 2:4], zeros[..., 2:4])
+    _assert_matches_reference(x, bits, G, mode, eta, (codes[..., w0:w1], scales[..., 2:4], zeros[..., 2:4]))
+    assert not codes[..., :w0].any() and not codes[..., w1:].any(), "write spilled outside the view"
+    assert not scales[..., :2].any() and not scales[..., 4:].any(), "write spilled outside the view"
+
+    # dequantize reads the same narrowed views
+    out = tk.dequantize_groups(codes[..., w0:w1], scales[..., 2:4], zeros[..., 2:4], bits, G, mode)
+    c, s, z = (t.contiguous().cpu() for t in (codes[..., w0:w1], scales[..., 2:4], zeros[..., 2:4]))
+    assert torch.equal(out.cpu(), reference.dequantize_groups(c, s, z, bits, G, mode))
+
+
+def test_quantize_many_unmergeable_leading_dims():
+    # 5-D permuted input: more than three leading dims that cannot merge -> contiguous fallback, same result
+    x = torch.randn(2, 3, 2, 3, 2, 64, generator=_gen(5)).permute(4, 3, 2, 1, 0, 5).to(DEVICE)
+    got = tk.quantize_groups(x, 2, 32, "hybrid")
+    _assert_matches_reference(x, 2, 32, "hybrid", 0.0, got)
+    c, s, z = got
+    codes, scales, zeros = torch.empty_like(c), torch.empty_like(s), torch.empty_like(z)
+    args = (codes.permute(0, 1, 2, 4, 3, 5), scales.permute(0, 1, 2, 4, 3, 5), zeros.permute(0, 1, 2, 4, 3, 5))
+    tk.quantize_groups_into(x.permute(0, 1, 2, 4, 3, 5), 2, 32, "hybrid", 0.0, *args)
+    assert torch.equal(codes, c) and _same_bits(scales, s) and _same_bits(zeros, z)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy on NaN
+def test_quantize_nan_stays_in_its_group():
+    x = torch.randn(2, 128, generator=_gen(3))
+    x[0, 5] = float("nan")
+    for mode in ("sym", "asym", "hybrid"):
+        c, s, z = tk.quantize_groups(x.to(DEVICE), 2, 32, mode)
+        c_ref, s_ref, z_ref = reference.quantize_groups(x, 2, 32, mode)
+        assert torch.isnan(s[0, 0].float()).item()
+        assert _same_bits(s[:, 1:], s_ref[:, 1:]) and _same_bits(s[1], s_ref[1])
+        assert torch.equal(c.cpu(), c_ref)
+
+
+def test_rejects_bad_arguments():
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        tk.quantize_groups(x, 5, 32, "sym")
+    c, s, z = reference.quantize_groups(torch.randn(1, 2, 8, 64), 2, 32, "asym")
+    with pytest.raises(ValueError, match="zeros is required"):
+        tk.gemv_inner_q(torch.randn(1, 2, 64, device=DEVICE), c.to(DEVICE), s.to(DEVICE), None, 2, 32, "asym")
+    with pytest.raises(ValueError, match="codes rows R"):
+        tk.gemv_kivi(torch.randn(1, 2, 7, device=DEVICE), c.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 2, 32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The interpreter accepts some programs the GPU compiler rejects: compile every kernel for sm_80 (no GPU needed)
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import importlib, sys
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        target = GPUTarget("cuda", 80, 32)
+    except Exception as e:  # no NVIDIA backend in this triton build
+        print("SKIP", e); sys.exit(0)
+
+    def build(module, name, ptrs, constexprs, **opts):
+        fn = getattr(importlib.import_module("kvkernels.triton_kernels." + module), name)
+        sig = {a: "constexpr" if a in constexprs else ptrs.get(a, "i64" if a.startswith("s") else "i32")
+               for a in fn.arg_names}
+        const = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+        try:
+            src = ASTSource(fn, sig, constexprs=const)
+        except (TypeError, KeyError, AttributeError) as e:  # ASTSource's arguments differ in this triton
+            print("SKIP", type(e).__name__, e); sys.exit(0)
+        triton.compile(src, target=target, options=opts)  # compile errors fail the test
+
+    f16, i32, i16, f32, b16 = "*fp16", "*i32", "*i16", "*fp32", "*bf16"
+    build("gemv_inner_q", "_gemv_inner_q_kernel",
+          dict(x_ptr=f16, codes_ptr=i32, scales_ptr=i16, zeros_ptr=f16, xs_ptr=f32, y_ptr=f32),
+          dict(BITS=3, GROUP=96, MODE=2, HAS_XS=True, QP=8, BLOCK_M=8, NB=4), num_warps=8)
+    build("gemv_kivi", "_gemv_kivi_kernel",
+          dict(x_ptr=b16, codes_ptr=i32, scales_ptr=f16, zeros_ptr=f16, y_ptr=f32),
+          dict(BITS=4, GROUP=128, QP=8, BLOCK_R=8, NCB=4), num_warps=8)
+    for mode in (0, 1, 2):
+        build("quantize", "_quantize_kernel",
+              dict(x_ptr=b16, codes_ptr=i32, scales_ptr=i16, zeros_ptr=f16, s_mul="fp32", eta="fp32"),
+              dict(BITS=3, GROUP=96, MODE=mode, BLOCK_ROWS=8, NBG=4), num_warps=4, enable_fp_fusion=False)
+    build("quantize", "_dequantize_kernel", dict(codes_ptr=i32, scales_ptr=i16, zeros_ptr=f16, out_ptr=f32),
+          dict(BITS=1, GROUP=64, MODE=2, BLOCK_ROWS=16, NBG=2), num_warps=4, enable_fp_fusion=False)
+    print("OK")
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the tests above compile every kernel for real")
+def test_kernels_compile_for_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions, not interpreted
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if res.stdout.startswith("SKIP"):
+        pytest.skip(f"cannot compile for CUDA here: {res.stdout.strip()}")
+    assert res.stdout.strip().endswith("OK"), res.stdout[-2000:]
