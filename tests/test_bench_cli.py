@@ -1,0 +1,92 @@
+"""`python -m kvkernels bench --quick` on a tiny CPU grid: JSON schema, plots, the CPU label, skip reasons."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvkernels import bench
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_KEYS = {
+    "method", "backend", "batch", "seqlen", "k_bits", "v_bits",
+    "scores_us", "output_us", "total_us", "scores_bytes", "output_bytes", "total_bytes",
+    "GBps", "pct_copy_bw", "speedup_scores", "speedup_output", "speedup_total",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = ["--quick", "--out", str(out), "--batch", "1", "--seqlens", "512", "--methods", "fp16", "innerq-small"]
+    args += ["--backends", "cpp", "cuda", "--device", "cpu", "--threads", "1", "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvkernels", "bench", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc.stdout
+
+
+def test_cli_writes_json_with_schema(quick_run):
+    out, _ = quick_run
+    (path,) = out.glob("*.json")
+    res = json.loads(path.read_text())
+    assert res["schema"] == bench.SCHEMA
+    assert res["note"] == bench.CPU_WARNING
+    env = res["env"]
+    for key in ("device_name", "clocks", "torch", "triton", "cuda", "git_commit", "date", "backends"):
+        assert key in env
+    assert env["device"] == "cpu" and env["clocks"] is None
+    assert res["config"]["shape"] == {"name": "llama-3.1-8b", "h_q": 32, "h_kv": 8, "d": 128}
+    assert res["copy_bandwidth"]["GBps"] > 0
+    rows = {(r["method"], r["backend"]): r for r in res["results"]}
+    assert set(rows) == {("fp16", "torch"), ("innerq-small", "cpp")}
+    for r in rows.values():
+        assert RESULT_KEYS <= set(r), RESULT_KEYS - set(r)
+        assert r["batch"] == 1 and r["seqlen"] == 512
+        assert r["total_us"] == pytest.approx(r["scores_us"] + r["output_us"])
+        assert r["total_us"] > 0 and r["GBps"] > 0
+    assert rows[("fp16", "torch")]["speedup_total"] == pytest.approx(1.0)
+    small = rows[("innerq-small", "cpp")]
+    # K: 8 heads x 512 tokens x 128 dims at 3 bits + one fp16 scale per 32; q fp16; scores fp32
+    assert small["scores_bytes"] == 8 * 512 * 128 * 3 // 8 + 8 * 512 * 4 * 2 + 32 * 128 * 2 + 32 * 512 * 4
+    assert small["scores_rel_err"] < 1e-4 and small["output_rel_err"] < 1e-4
+    skipped = {(s["method"], s["backend"]): s["reason"] for s in res["skipped"]}
+    assert "CUDA device" in skipped[("innerq-small", "cuda")]
+    for name in res["files"]["plots"]:
+        png = out / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(res["files"]["plots"]) == 3
+
+
+def test_cli_prints_cpu_label_table_and_skips(quick_run):
+    _, stdout = quick_run
+    assert bench.CPU_WARNING in stdout
+    assert "skip innerq-small[cuda]" in stdout
+    assert "innerq-small[cpp]" in stdout and "fp16[torch]" in stdout
+    assert "N=512" in stdout
+
+
+def test_main_help_and_unknown_command():
+    from kvkernels.__main__ import main
+
+    assert main(["--help"]) == 0
+    assert main(["no-such-command"]) == 2
+
+
+def test_rotation_exceeds_three_l2():
+    l2 = 50 << 20
+    for nbytes in (1 << 10, 1 << 20, 7 << 20, 60 << 20, 1 << 31):
+        n = bench.rotation_count(nbytes, l2)
+        assert 1 <= n <= bench.ROTATION_CAP
+        assert n * nbytes >= 3 * l2 or n == bench.ROTATION_CAP
+    assert bench.rotation_count(123, 0) == 1  # CPU: no rotation
