@@ -1,0 +1,711 @@
+"""Hugging Face transformers (5.x) integration: a quantized `Cache` whose decode attention runs the fused kernels.
+
+Usage::
+
+    from kvkernels.integrations.transformers import KVKernelsCache
+
+    model.set_attn_implementation("kvkernels")          # or from_pretrained(..., attn_implementation="kvkernels")
+    cache = KVKernelsCache("innerq_base", config=model.config)   # overrides: group_size=, w_sink=, w_recent=, bits=...
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+Methods: the presets of kvkernels.formats.PRESETS (innerq_base, innerq_small, innerq_hybrid, kivi2, kivi4,
+kivi1_eta), and "fp16", an unquantized pass-through (the model's dtype) for comparisons.
+
+The handoff between the cache and the attention function
+--------------------------------------------------------
+A transformers attention layer (LlamaAttention and every model written like it) does
+
+    key, value = past_key_values.update(key_states, value_states, self.layer_idx)
+    out, _ = ALL_ATTENTION_FUNCTIONS[config._attn_implementation](self, query, key, value, attention_mask,
+                                                                 dropout=..., scaling=self.scaling, **kwargs)
+
+with nothing in between (repeat_kv for GQA happens inside the attention function), and the attention function
+is not given the cache (only the module, whose layer_idx it could read, and position_ids). So the cache tells
+the attention function what to do through the tensors it returns:
+
+* prefill (the layer's cache was empty, so the query is the whole prompt): `update` quantizes the prompt into
+  the layer's kvkernels cache per the method's window rules and returns the full-precision key/value it was
+  given; the attention function sees ordinary tensors and runs transformers' SDPA (`sdpa_attention_forward`,
+  with the mask from `sdpa_mask`, registered as this implementation's mask function).
+* decode (a non-empty cache and at most `max_fused_q_len` new tokens, default 32, which covers assisted
+  decoding's candidate chunks): `update` appends the new tokens and returns two *handles*: empty tensors
+  [B, H_kv, 0, D] of the key's dtype and device carrying a `_kvkernels_layer` attribute that points at the
+  KVKernelsLayer. The attention function recognizes the attribute and calls the layer's fused decode attention
+  (kvkernels.attention.decode_attention: fused dequant-GEMVs over the quantized stores + the fp16 windows, one
+  softmax). The dequantized cache is never materialized, and no global registry is involved, so several caches
+  (or models) can run side by side.
+* a non-empty cache given more than `max_fused_q_len` tokens (larger prefill chunks, a second generate() turn) gets
+  the dequantized cache back (K, V in the model dtype) and SDPA with the mask; this is the only path that
+  materializes it.
+
+Masks: AttentionMaskInterface.register("kvkernels", sdpa_mask) (without a registered mask function transformers
+silently drops the mask). Prefill gets exactly what SDPA gets. On the fused path a `None` mask means "causal
+among the T new tokens" (decode_attention applies it); a materialized mask (left padding in a batch, or T > 1
+with a cache, where sdpa_mask builds a causal one) is applied to the scores of all N cached tokens, in token
+order, before the single softmax, so left-padded batches are supported (boolean masks: True = attend; float
+masks are added). The windows are positional, though: in a left-padded row the fp16 sink holds padding rather
+than that row's first tokens, and the prefill key norm (InnerQ) also sees the padding's keys, so padded rows get
+somewhat worse quantization than unpadded ones.
+
+Safety net: with `fused=None` (default) the cache reads `config._attn_implementation` at every decode step; if it
+is not "kvkernels" (e.g. the model still runs "sdpa"), handles would be misread as zero-length keys, so `update`
+returns the dequantized cache instead, with a one-time warning (correct, but slow: simulated quantization).
+With no config given, fused defaults to True.
+
+Generation support: get_seq_length, get_mask_sizes, get_max_length / get_max_cache_shape (-1: unbounded),
+reorder_cache (beam search), crop (assisted / prompt-lookup decoding; negative = drop that many tokens, positive
+= keep that many, 5.17's legacy meaning), batch_select_indices, batch_repeat_interleave, reset;
+is_compileable=False (caches change shape every step) and is_croppable=False (a crop keeps tokens that were
+quantized while the cropped tokens were present quantized, see kvkernels.cache). Works with transformers 5.17+.
+Only full-attention layers are supported (no sliding-window / linear-attention layer types).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "kvkernels.integrations.transformers needs Hugging Face transformers>=5.0: "
+        f"pip install kvkernels[transformers] ({e})"
+    ) from e
+
+if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
+    raise ImportError(
+        f"kvkernels.integrations.transformers needs transformers>=5.0 (found {transformers.__version__}): "
+        "pip install kvkernels[transformers]"
+    )
+
+from .. import ops
+from ..cache import InnerQLayerCache, KIVILayerCache
+from ..formats import PRESETS, InnerQConfig, KIVIConfig, effective_bits
+
+ATTN_IMPLEMENTATION = "kvkernels"
+METHODS = (*PRESETS, "fp16")
+_HANDLE_ATTR = "_kvkernels_layer"
+# options that configure the cache object rather than the quantization format
+_CACHE_OPTIONS = ("capacity", "fused", "max_fused_q_len", "key_norm_factors", "rope_paired", "num_layers")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# method configs
+
+
+def method_config(method: str, **overrides) -> InnerQConfig | KIVIConfig | None:
+    """The format of `method` with overrides applied (None for "fp16", which ignores quantization overrides).
+
+    Overrides are the config's fields (InnerQConfig: key_bits, key_mode, value_bits, value_mode, group_size,
+    w_sink, w_recent, key_norm; KIVIConfig: bits, group_size, residual, eta, w_sink), plus two aliases so one set
+    of overrides fits every method: `bits` sets key_bits and value_bits (InnerQ), `w_recent` sets residual (KIVI).
+    """
+    if method == "fp16":
+        return None
+    if method not in PRESETS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    base = PRESETS[method]
+    kw = dict(overrides)
+    if isinstance(base, InnerQConfig) and "bits" in kw:
+        bits = kw.pop("bits")
+        kw.setdefault("key_bits", bits)
+        kw.setdefault("value_bits", bits)
+    if isinstance(base, KIVIConfig) and "w_recent" in kw:
+        if "residual" in kw and kw["residual"] != kw["w_recent"]:
+            raise ValueError("KIVI: w_recent is an alias of residual; give one of them")
+        kw["residual"] = kw.pop("w_recent")
+    names = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(kw) - names)
+    if unknown:
+        raise ValueError(
+            f"{method}: unknown override(s) {unknown}; {type(base).__name__} fields are {sorted(names)}"
+            + (" (and the alias bits)" if isinstance(base, InnerQConfig) else " (and the alias w_recent)")
+        )
+    return dataclasses.replace(base, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the unquantized pass-through store ("fp16")
+
+
+class _FullPrecisionLayerCache:
+    """K/V [B, H_kv, N, D] in the model dtype, grown by concatenation (DynamicLayer's behaviour), same interface
+    as the quantized layer caches so KVKernelsLayer treats every method alike."""
+
+    config = None
+
+    def __init__(self, batch, num_kv_heads, head_dim, device, dtype):
+        self.batch, self.num_kv_heads, self.head_dim = batch, num_kv_heads, head_dim
+        self.device, self.dtype = torch.device(device), dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys = torch.zeros(self.batch, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        self.values = self.keys.clone()
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[2]
+
+    def prefill(self, k, v) -> None:
+        self.append(k, v)
+
+    def append(self, k, v) -> None:
+        self.keys = torch.cat([self.keys, k.to(self.dtype)], dim=2)
+        self.values = torch.cat([self.values, v.to(self.dtype)], dim=2)
+
+    def dequantized(self):
+        return self.keys.float(), self.values.float()
+
+    def crop(self, n: int) -> None:
+        n = max(self.seq_len + n, 0) if n < 0 else n
+        self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
+
+    def _map(self, fn) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.batch = self.keys.shape[0]
+
+    def reorder(self, index) -> None:
+        self._map(lambda t: t.index_select(0, index))
+
+    def batch_select(self, index) -> None:
+        self._map(lambda t: t.index_select(0, index))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def memory_bytes(self) -> dict[str, int]:
+        n = (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+        ref = 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * 2
+        return {
+            "key_quantized": 0,
+            "value_quantized": 0,
+            "quantized": 0,
+            "window": n,
+            "total": n,
+            "fp16_equivalent": ref,
+            "allocated": n,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the cache
+
+
+class KVKernelsLayer(CacheLayerMixin):
+    """One transformer layer's KV cache: a kvkernels InnerQLayerCache / KIVILayerCache (or the fp16 store),
+    created on the first update from the tensors' batch, heads, head_dim, device and dtype.
+
+    `cache` is that object (None before the first update); `paths` counts how update served each call:
+    prefill (quantize, return full precision for SDPA), fused (append, return handles), dequantized (append,
+    return the dequantized cache), full (the fp16 method).
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        config: InnerQConfig | KIVIConfig | None,
+        capacity: int = 256,
+        fused: bool | None = None,
+        max_fused_q_len: int = 32,
+        key_norm_factors: torch.Tensor | None = None,
+        rope_paired: bool = True,
+        model_config=None,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        if not isinstance(max_fused_q_len, int) or max_fused_q_len < 1:
+            raise ValueError(f"max_fused_q_len must be a positive int, got {max_fused_q_len!r}")
+        if key_norm_factors is not None and not isinstance(config, InnerQConfig):
+            raise ValueError("key_norm_factors only applies to InnerQ methods")
+        self.config = config
+        self.capacity = int(capacity)
+        self.fused = fused
+        self.max_fused_q_len = max_fused_q_len
+        self.key_norm_factors = key_norm_factors
+        self.rope_paired = rope_paired
+        self.model_config = model_config
+        self.layer_idx = layer_idx
+        self.cache = None
+        self.paths = {"prefill": 0, "fused": 0, "dequantized": 0, "full": 0}
+        self._last_update_len = 0
+        self._warned = False
+
+    def __repr__(self):
+        name = "fp16" if self.config is None else type(self.config).__name__
+        return f"{type(self).__name__}({name}, seq_len={self.get_seq_length()})"
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        cfg = self.config
+        if cfg is None:
+            self.cache = _FullPrecisionLayerCache(B, H, D, self.device, self.dtype)
+        elif isinstance(cfg, InnerQConfig):
+            self.cache = InnerQLayerCache(
+                cfg, B, H, D, self.capacity, self.device, self.dtype, self.key_norm_factors, self.rope_paired
+            )
+        else:
+            self.cache = KIVILayerCache(cfg, B, H, D, self.capacity, self.device, self.dtype)
+        self.is_initialized = True
+
+    def _matches(self, k: torch.Tensor) -> bool:
+        c = self.cache
+        return (k.shape[0], k.shape[1], k.shape[3]) == (c.batch, c.num_kv_heads, c.head_dim) and (
+            k.device,
+            k.dtype,
+        ) == (c.device, c.dtype)
+
+    def reset(self) -> None:
+        """Forget every token (buffers are kept; a new batch shape rebuilds the cache on the next prefill)."""
+        if self.cache is not None:
+            self.cache.reset()
+        self.paths = dict.fromkeys(self.paths, 0)
+        self._last_update_len = 0
+
+    # -- the handoff ---------------------------------------------------------------------------------------------
+    def _use_fused(self) -> bool:
+        if self.fused is not None:
+            return self.fused
+        if self.model_config is None:
+            return True
+        impl = getattr(self.model_config, "_attn_implementation", None)
+        if impl == ATTN_IMPLEMENTATION:
+            return True
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"KVKernelsCache: the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}, so "
+                "decode steps return the dequantized cache to it (correct but slow). Call "
+                f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) to run the fused kernels.",
+                stacklevel=4,
+            )
+        return False
+
+    def _handle(self, like: torch.Tensor) -> torch.Tensor:
+        h = like.new_empty((like.shape[0], like.shape[1], 0, like.shape[3]))
+        setattr(h, _HANDLE_ATTR, self)
+        return h
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store the new K/V [B, H_kv, n, D]; return what the attention function needs (module docstring)."""
+        if self.cache is None or (self.cache.seq_len == 0 and not self._matches(key_states)):
+            self.lazy_initialization(key_states, value_states)
+        cache, n = self.cache, key_states.shape[2]
+        self._last_update_len = n
+        if self.config is None:
+            cache.append(key_states, value_states)
+            self.paths["full"] += 1
+            return cache.keys, cache.values
+        if cache.seq_len == 0:
+            cache.prefill(key_states, value_states)
+            self.paths["prefill"] += 1
+            return key_states, value_states
+        cache.append(key_states, value_states)
+        if n <= self.max_fused_q_len and self._use_fused():
+            self.paths["fused"] += 1
+            return self._handle(key_states), self._handle(value_states)
+        self.paths["dequantized"] += 1
+        k, v = cache.dequantized()
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def fused_attention(self, query: torch.Tensor, scale: float | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of query [B, H_q, T, D] (the T tokens of the last update) over this layer, [B, H_q, T, D]."""
+        T = query.shape[2]
+        if T != self._last_update_len:
+            raise ValueError(
+                f"kvkernels attention: the query has {T} rows but the last update of layer {self.layer_idx} added "
+                f"{self._last_update_len} tokens; the handle must be used right after its update"
+            )
+        scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+        # mask None: causal among the T rows; else it replaces the causal mask (kvkernels.attention.decode_attention)
+        return self.cache.attention(query, scale, attn_mask=mask)
+
+    # -- generation API ------------------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return 0 if self.cache is None else self.cache.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask for the next query_length tokens: every cached token, from 0."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # grows without bound
+
+    def get_max_cache_shape(self) -> int:  # the 5.17 name of get_max_length
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        if self.cache is None:  # hasattr() is then False, as Cache.batch_size expects of uninitialized layers
+            raise AttributeError("batch_size: layer not initialized")
+        return self.cache.batch
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length() > 0:
+            self.cache.reorder(beam_idx.to(self.cache.device))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """crop(-n) drops the last n tokens; crop(n > 0) keeps the first n (5.17's legacy meaning); crop(0): no-op."""
+        if tokens_to_remove == 0 or self.cache is None:
+            return
+        self.cache.crop(int(tokens_to_remove))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.cache is not None:
+            self.cache.batch_repeat_interleave(int(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.cache is None:
+            return
+        idx = torch.as_tensor(indices, device=self.cache.device)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        self.cache.batch_select(idx.long())
+
+    def offload(self):  # the stores are not offloadable; KVKernelsCache never enables offloading
+        pass
+
+    def prefetch(self):
+        pass
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {} if self.cache is None else self.cache.memory_bytes()
+
+
+class KVKernelsCache(Cache):
+    """A transformers Cache of KVKernelsLayer, one per decoder layer.
+
+    KVKernelsCache(method="innerq_base", config=model.config, **overrides)
+
+    method:    a kvkernels.formats.PRESETS name or "fp16" (unquantized pass-through).
+    config:    the model config (its decoder text config gives the layer count; its _attn_implementation is
+               checked at decode time when fused=None). Without it give num_layers, or layers are added lazily.
+    overrides: format fields, see method_config (group_size=, w_sink=, w_recent=, bits=, key_bits=, eta=, ...).
+    capacity:  initial token capacity of each layer's quantized stores (they double when full).
+    fused:     True: decode steps always return handles (the model must run attn_implementation="kvkernels");
+               False: always return the dequantized cache; None: decide from config._attn_implementation.
+    max_fused_q_len: appends of more tokens than this (to a non-empty cache) return the dequantized cache.
+    key_norm_factors: per-layer fixed InnerQ key norms ([H_kv, D] each; a sequence or {layer_idx: tensor}).
+    rope_paired: InnerQ computed key norm pairs channels c and c + D/2 (kvkernels.keynorm).
+    """
+
+    def __init__(
+        self,
+        method: str = "innerq_base",
+        config=None,
+        *,
+        num_layers: int | None = None,
+        capacity: int = 256,
+        fused: bool | None = None,
+        max_fused_q_len: int = 32,
+        key_norm_factors: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,
+        rope_paired: bool = True,
+        **overrides,
+    ):
+        self.method = method
+        self.format = method_config(method, **overrides)
+        text = config.get_text_config(decoder=True) if config is not None else None
+        if text is not None:
+            layer_types = getattr(text, "layer_types", None) or []
+            other = sorted({t for t in layer_types if t != "full_attention"})
+            if other:
+                raise NotImplementedError(f"KVKernelsCache supports full-attention layers only; this model has {other}")
+            if num_layers is None:
+                num_layers = text.num_hidden_layers
+        self._layer_kwargs = {
+            "capacity": capacity,
+            "fused": fused,
+            "max_fused_q_len": max_fused_q_len,
+            "rope_paired": rope_paired,
+            "model_config": text,
+        }
+        self._key_norm_factors = key_norm_factors
+        if num_layers is not None:
+            super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
+        else:  # Cache.update appends layers on demand, calling this without arguments
+            super().__init__(layer_class_to_replicate=lambda: self._new_layer(len(self.layers)))
+
+    def _new_layer(self, idx: int) -> KVKernelsLayer:
+        f = self._key_norm_factors
+        factors = None
+        if f is not None:
+            factors = f.get(idx) if isinstance(f, Mapping) else f[idx]
+        return KVKernelsLayer(self.format, key_norm_factors=factors, layer_idx=idx, **self._layer_kwargs)
+
+    def __repr__(self):
+        n = self.get_seq_length()
+        return f"{type(self).__name__}(method={self.method!r}, layers={len(self.layers)}, seq_len={n})"
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # 5.17 name; -1 = unbounded
+        return -1
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Per-layer memory_bytes() summed over the initialized layers (kvkernels.cache for the keys)."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            for key, val in layer.memory_bytes().items():
+                total[key] = total.get(key, 0) + val
+        return total
+
+    @property
+    def paths(self) -> dict[str, int]:
+        """How many layer updates took each path (KVKernelsLayer.paths), summed over layers."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            for key, val in layer.paths.items():
+                out[key] = out.get(key, 0) + val
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention and mask functions
+
+
+def kvkernels_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The "kvkernels" attention implementation: fused decode attention for handles, transformers SDPA otherwise.
+
+    query [B, H_q, T, D]; returns ([B, T, H_q, D], None) like every transformers attention function.
+    """
+    layer = getattr(key, _HANDLE_ATTR, None)
+    if layer is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"kvkernels attention does not support {name}")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("kvkernels attention does not support sliding-window layers")
+    out = layer.fused_attention(query, scaling, attention_mask)  # [B, H_q, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register "kvkernels" with transformers' AttentionInterface and AttentionMaskInterface (done on import)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvkernels_attention_forward)
+    # prefill runs SDPA, so it needs SDPA's mask; on the fused path None means causal (see the module docstring)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+register()
+
+
+def set_kvkernels_attention(model) -> str:
+    """Switch `model` to attn_implementation="kvkernels"; returns the previous implementation (to restore)."""
+    previous = model.config._attn_implementation
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:  # pragma: no cover - every 5.x PreTrainedModel has it
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return previous
+
+
+# ---------------------------------------------------------------------------------------------------------
+# convenience for the demo
+
+
+def op_backends(device: torch.device | str) -> dict[str, str]:
+    """Which implementation serves each kvkernels op for tensors on `device` (cuda / triton / cpp / reference)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return dict(ops.CUDA_IMPL)
+    out = {}
+    for op in ops.OPS:
+        # kvkernels.ops registers the Python reference where C++ has no CPU kernel; the dispatcher says which
+        dump = torch._C._dispatch_dump(f"kvkernels::{op}")
+        line = next((ln for ln in dump.splitlines() if ln.startswith("CPU:")), "")
+        out[op] = "reference" if ("torch/library.py" in line or not line) else "cpp"
+    return out
+
+
+@dataclass
+class GenerationResult:
+    """What generate_with_method returns.
+
+    sequences: [B, prompt + new] token ids; logits: [B, new, vocab] fp32 (the scores of each generated
+    position, before sampling processors); cache: the KVKernelsCache (memory_bytes(), paths, layers);
+    backend: method, attention implementation, device, per-op implementation, and path counts.
+    """
+
+    sequences: torch.Tensor
+    logits: torch.Tensor
+    cache: KVKernelsCache
+    backend: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def generate_with_method(model, input_ids: torch.Tensor, method: str, **kw) -> GenerationResult:
+    """Greedy-generate with a KVKernelsCache of `method` on the fused path; returns a GenerationResult.
+
+    kw: format overrides (method_config) and KVKernelsCache options (capacity, fused, max_fused_q_len,
+    key_norm_factors, rope_paired) go to the cache; everything else goes to model.generate (max_new_tokens
+    defaults to 32, do_sample to False). The model runs attn_implementation="kvkernels" for the call and is
+    restored afterwards.
+    """
+    cache_kw = {k: v for k, v in kw.items() if k in _CACHE_OPTIONS or k in _FORMAT_FIELDS}
+    gen_kw = {k: v for k, v in kw.items() if k not in cache_kw}
+    if method == "fp16":  # no format: quantization overrides are dropped so one kwargs set fits every method
+        cache_kw = {k: v for k, v in cache_kw.items() if k in _CACHE_OPTIONS and k != "key_norm_factors"}
+    gen_kw.setdefault("max_new_tokens", 32)
+    gen_kw.setdefault("do_sample", False)
+    previous = set_kvkernels_attention(model)
+    try:
+        cache = KVKernelsCache(method, config=model.config, **cache_kw)
+        out = model.generate(
+            input_ids, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **gen_kw
+        )
+    finally:
+        if previous != ATTN_IMPLEMENTATION and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(previous)
+    logits = torch.stack([x.float() for x in out.logits], dim=1)
+    backend = {
+        "method": method,
+        "attn_implementation": ATTN_IMPLEMENTATION,
+        "device": str(input_ids.device),
+        "ops": op_backends(input_ids.device),
+        "paths": cache.paths,
+    }
+    return GenerationResult(sequences=out.sequences, logits=logits, cache=cache, backend=backend)
+
+
+@torch.no_grad()
+def _teacher_forced_logits(model, cache, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    # logits predicting positions prompt_len .. end of `sequences`, feeding its tokens one at a time: [B, new, V]
+    out = [model(sequences[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1:]]
+    for j in range(prompt_len, sequences.shape[1] - 1):
+        out.append(model(sequences[:, j : j + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1).float()
+
+
+def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print_table=None, prompt_len=None):
+    """generate() on a small random-init Llama with each method's cache against the unquantized ("fp16") one.
+
+    Model: LlamaConfig(hidden 256, 4 layers, 8 query / 2 KV heads, head_dim 64, vocab 512), fp16 on CUDA, fp32 on
+    CPU; prompt of prompt_len random tokens (default 1024 on CUDA, 256 on CPU; the presets keep 128-160 tokens in
+    fp16 windows). Columns: max |logit diff| teacher-forced along the fp16 greedy sequence, greedy agreement with
+    it, ms per generated token (whole generate() call / new tokens, after a warm-up), KV bytes / fp16 bytes, and
+    which implementation served the fused GEMV. Returns the rows; prints them with print_table(title, header,
+    rows, note) if given.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = torch.device(device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    prompt_len = prompt_len or (1024 if device.type == "cuda" else 256)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=512,
+        max_position_embeddings=max(4096, 2 * (prompt_len + new_tokens)),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def timed(method):
+        # first calls pay one-off costs (op registration paths, SDPA/kernel selection, allocator growth), which
+        # differ per method: warm every method up before timing it
+        generate_with_method(model, ids, method, max_new_tokens=2)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        res = generate_with_method(model, ids, method, max_new_tokens=new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return res, (time.perf_counter() - t0) * 1e3 / new_tokens
+
+    ref, ref_ms = timed("fp16")
+    rows = [["fp16", "16.00/16.00", "0", "1.00", f"{ref_ms:.1f}", "1.000", "torch SDPA"]]
+    set_kvkernels_attention(model)
+    for method in methods:
+        res, ms = timed(method)
+        tf = _teacher_forced_logits(model, KVKernelsCache(method, config=model.config), ref.sequences, prompt_len)
+        agree = float((res.sequences[:, prompt_len:] == ref.sequences[:, prompt_len:]).float().mean())
+        mem = res.cache.memory_bytes()
+        # windows are held in the model dtype (fp32 on CPU): count them at 2 bytes, as an fp16 deployment would
+        fp16_bytes = mem["quantized"] + mem["window"] // (torch.finfo(dtype).bits // 8) * 2
+        op = "gemv_inner_q" if isinstance(PRESETS[method], InnerQConfig) else "gemv_kivi"
+        rows.append(
+            [
+                method,
+                f"{effective_bits(PRESETS[method]).key:.2f}/{effective_bits(PRESETS[method]).value:.2f}",
+                f"{float((tf - ref.logits).abs().max()):.4f}",
+                f"{agree:.2f}",
+                f"{ms:.1f}",
+                f"{fp16_bytes / mem['fp16_equivalent']:.3f}",
+                f"{res.backend['ops'][op]} (fused steps: {res.backend['paths']['fused']})",
+            ]
+        )
+    if print_table is not None:
+        print_table(
+            f"3. generate() on a random-init Llama (4 layers, 8/2 heads, D 64), {prompt_len}-token prompt + "
+            f"{new_tokens} tokens, {device.type} {str(dtype).removeprefix('torch.')}, greedy",
+            [
+                "method",
+                "bits K/V",
+                "max |logit diff|",
+                "greedy agree",
+                "ms/token",
+                "KV bytes/fp16*",
+                "fused GEMV backend",
+            ],
+            rows,
+            "Logit diffs are teacher-forced along the fp16 greedy sequence. A random-init model attends almost "
+            "uniformly, so it is a functional check of the integration, not a quality benchmark. bits: per "
+            "quantized value incl. fp16 scales/zeros. *fp16 windows counted at 2 bytes per value whatever the model "
+            "dtype. ms/token: whole generate() / new tokens after a warm-up; on CPU the reference GEMVs are not "
+            "the GPU kernels.",
+        )
+    return rows
+
+
+# every format field name of every preset, plus the aliases (routes kwargs in generate_with_method)
+_FORMAT_FIELDS = frozenset(
+    {f.name for cfg in (InnerQConfig, KIVIConfig) for f in dataclasses.fields(cfg)} | {"bits", "w_recent"}
+)
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "METHODS",
+    "GenerationResult",
+    "KVKernelsCache",
+    "KVKernelsLayer",
+    "demo_table",
+    "generate_with_method",
+    "kvkernels_attention_forward",
+    "method_config",
+    "op_backends",
+    "register",
+    "set_kvkernels_attention",
+]
