@@ -383,7 +383,7 @@ def test_generate_with_method(model, tokens):
 
 def test_demo_table_smoke():
     rows = demo_table("cpu", methods=("kivi2",), new_tokens=3, prompt_len=48)
-    assert [r[0] for r in rows] == ["fp16", "kivi2"] and rows[1][5].startswith("reference")
+    assert [r[0] for r in rows] == ["fp16", "kivi2"] and rows[1][6].startswith("reference")
 
 
 def test_attn_implementation_at_load_time(model):

@@ -103,6 +103,39 @@ KVK_HD float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi 
 KVK_HD float nan_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 KVK_HD float nan_min(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
 
+// IEEE round-to-nearest fp32 arithmetic for the quantizers. setup.py builds the kernels with --use_fast_math
+// (approximate division) and nvcc fuses a*b+c into FMA by default; either would make CUDA codes differ from the
+// C++ CPU op. The __f*_rn intrinsics are never approximated nor contracted, so both paths round identically
+// (only fp32 subnormals differ: fast-math also flushes them to zero; they round to the same codes).
+KVK_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+KVK_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+KVK_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+KVK_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
 // ---- dequantization parameters of one group: x ~= s * u + zeff ----
 struct GroupAffine {
   float s;
@@ -150,14 +183,14 @@ KVK_HD GroupQuant quantize_group_sym(const float* x, int n, int bits, uint32_t* 
   for (int i = 0; i < n; ++i) amax = nan_max(amax, fabsf(x[i]));
   const float off = sym_offset_rt(bits);
   const float qmax = static_cast<float>((1 << bits) - 1);
-  const uint16_t sb = float_to_half_bits(amax / off);
+  const uint16_t sb = float_to_half_bits(div_rn(amax, off));
   const float s = half_bits_to_float(sb);
   float err = 0.f;
   for (int i = 0; i < n; ++i) {
-    const float u = s > 0.f ? clampf(round_half_even(x[i] / s) + off, 0.f, qmax) : off;
+    const float u = s > 0.f ? clampf(add_rn(round_half_even(div_rn(x[i], s)), off), 0.f, qmax) : off;
     codes[i] = static_cast<uint32_t>(u);
-    const float d = s * u - s * off - x[i];
-    err += d * d;
+    const float d = sub_rn(sub_rn(mul_rn(s, u), mul_rn(s, off)), x[i]);
+    err = add_rn(err, mul_rn(d, d));
   }
   return {sb, 0u, err};
 }
@@ -171,19 +204,19 @@ KVK_HD GroupQuant quantize_group_asym(const float* x, int n, int bits, float eta
     mx = nan_max(mx, x[i]);
   }
   const float qmax = static_cast<float>((1 << bits) - 1);
-  const float s = round_to_half((mx - mn) / qmax);
+  const float s = round_to_half(div_rn(sub_rn(mx, mn), qmax));
   const float z = round_to_half(mn);
   for (int i = 0; i < n; ++i) {
-    const float u = s > 0.f ? clampf(round_half_even((x[i] - z) / s), 0.f, qmax) : 0.f;
+    const float u = s > 0.f ? clampf(round_half_even(div_rn(sub_rn(x[i], z), s)), 0.f, qmax) : 0.f;
     codes[i] = static_cast<uint32_t>(u);
   }
-  const uint16_t sb = float_to_half_bits((1.f - 2.f * eta) * s);
-  const uint16_t zb = float_to_half_bits(z + eta * s * qmax);
+  const uint16_t sb = float_to_half_bits(mul_rn(sub_rn(1.f, mul_rn(2.f, eta)), s));
+  const uint16_t zb = float_to_half_bits(add_rn(z, mul_rn(mul_rn(eta, s), qmax)));
   const float s_st = half_bits_to_float(sb), z_st = half_bits_to_float(zb);
   float err = 0.f;
   for (int i = 0; i < n; ++i) {
-    const float d = s_st * static_cast<float>(codes[i]) + z_st - x[i];
-    err += d * d;
+    const float d = sub_rn(add_rn(mul_rn(s_st, static_cast<float>(codes[i])), z_st), x[i]);
+    err = add_rn(err, mul_rn(d, d));
   }
   return {sb, zb, err};
 }
