@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Compile check of the CUDA backend without a GPU:
+#   1. every csrc/cuda/*.cu with nvcc for sm_80, sm_87 and sm_90 (one nvcc call per file, -Xptxas -v, the
+#      setup.py flags); fails on any compile error or any register spill, prints registers per kernel and arch;
+#   2. g++ -fsyntax-only of csrc/cuda/torch_bindings.cpp against the (CPU) torch headers.
+# Skips (exit 0, with the reason) where nvcc or torch is absent. Two files compile at a time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+PY="${PYTHON:-.venv/bin/python}"
+ARCHS=(80 87 90)
+JOBS="${NVCC_CHECK_JOBS:-2}"
+# Same flags as setup.py's CUDAExtension (plus -Xptxas -v for the register / spill report).
+FLAGS=(-std=c++17 -O3 --use_fast_math -lineinfo --expt-relaxed-constexpr -I csrc -Xptxas -v)
+for a in "${ARCHS[@]}"; do FLAGS+=(-gencode "arch=compute_${a},code=sm_${a}"); done
+
+if [ ! -x "$NVCC" ]; then
+  echo "nvcc_check: SKIP (no nvcc found; set NVCC=/path/to/nvcc to run the CUDA compile check)"
+  exit 0
+fi
+echo "nvcc_check: $("$NVCC" --version | tail -n 2 | head -n 1)"
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+status=0
+
+# Readable kernel names: demangled, namespaces and casts dropped, QuantMode values named.
+DEMANGLE_SED='s/\(anonymous namespace\):://g; s/\(kvk::QuantMode\)0/sym/g; s/\(kvk::QuantMode\)1/asym/g;'
+DEMANGLE_SED+=' s/\(kvk::QuantMode\)2/hybrid/g; s/kvk:://g; s/\(int\)//g; s/\(bool\)//g; s/\(.*$//; s/^void //'
+
+# ---- 1. nvcc, two files at a time ------------------------------------------------------------------------------
+compile() {  # $1 = .cu file; writes $WORK/<name>.log and $WORK/<name>.rc
+  local name
+  name="$(basename "$1" .cu)"
+  local start=$SECONDS
+  "$NVCC" "${FLAGS[@]}" -c "$1" -o "$WORK/$name.o" >"$WORK/$name.log" 2>&1
+  echo $? >"$WORK/$name.rc"
+  echo $((SECONDS - start)) >"$WORK/$name.secs"
+}
+
+files=(csrc/cuda/*.cu)
+if [ ! -e "${files[0]}" ]; then
+  echo "nvcc_check: no csrc/cuda/*.cu files"
+else
+  running=0
+  for f in "${files[@]}"; do
+    compile "$f" &
+    running=$((running + 1))
+    if [ "$running" -ge "$JOBS" ]; then
+      wait -n
+      running=$((running - 1))
+    fi
+  done
+  wait
+fi
+
+for f in "${files[@]}"; do
+  [ -e "$f" ] || continue
+  name="$(basename "$f" .cu)"
+  log="$WORK/$name.log"
+  rc="$(cat "$WORK/$name.rc")"
+  echo
+  echo "== $f  ($(cat "$WORK/$name.secs")s, sm_${ARCHS[*]// /, sm_})"
+  if [ "$rc" != 0 ]; then
+    grep -E "error|Error" "$log" | head -n 40
+    echo "FAIL: $f does not compile (nvcc exit $rc)"
+    status=1
+    continue
+  fi
+  grep -E "warning" "$log" | grep -v "ptxas info" | head -n 20
+  # ptxas -v prints, per kernel and arch: "Compiling entry function 'NAME' for 'sm_XX'", then a line with
+  # "N bytes spill stores, M bytes spill loads" and one with "Used R registers". Table: kernel x arch.
+  awk -v archs="${ARCHS[*]}" '
+    /Compiling entry function/ {
+      match($0, /function '\''[^'\'']+'\''/); fn = substr($0, RSTART + 10, RLENGTH - 11)
+      match($0, /for '\''sm_[0-9]+'\''/); arch = substr($0, RSTART + 8, RLENGTH - 9)
+      if (!(fn in seen)) { seen[fn] = 1; order[++n] = fn }
+      next
+    }
+    /bytes spill stores/ && fn != "" {
+      match($0, /[0-9]+ bytes spill stores/); st = substr($0, RSTART, RLENGTH) + 0
+      match($0, /[0-9]+ bytes spill loads/); ld = substr($0, RSTART, RLENGTH) + 0
+      if (st > 0 || ld > 0) { spill[fn, arch] = st "/" ld; nspill++ }
+    }
+    /Used [0-9]+ registers/ && fn != "" {
+      match($0, /Used [0-9]+ registers/); regs[fn, arch] = substr($0, RSTART + 5, RLENGTH - 15) + 0
+    }
+    END {
+      na = split(archs, A, " ")
+      for (i = 1; i <= n; i++) {
+        line = order[i]
+        for (j = 1; j <= na; j++) {
+          k = order[i] SUBSEP A[j]
+          line = line "\t" ((k in regs) ? regs[k] : "-") ((k in spill) ? " SPILL(" spill[k] ")" : "")
+        }
+        print line
+      }
+      print "#kernels " n " spills " (nspill + 0)
+    }' "$log" >"$WORK/$name.table"
+  summary="$(tail -n 1 "$WORK/$name.table")"
+  printf '  %-72s %s\n' "kernel (registers per arch)" "$(printf 'sm_%s  ' "${ARCHS[@]}")"
+  head -n -1 "$WORK/$name.table" | while IFS=$'\t' read -r fn r80 r87 r90; do
+    pretty="$(echo "$fn" | c++filt 2>/dev/null | sed -E "$DEMANGLE_SED")"
+    printf '  %-72s %-6s %-6s %-6s\n' "${pretty:0:72}" "$r80" "$r87" "$r90"
+  done
+  nspill="$(echo "$summary" | awk '{print $4}')"
+  nk="$(echo "$summary" | awk '{print $2}')"
+  if [ "$nspill" != 0 ]; then
+    echo "FAIL: $f has $nspill kernel/arch pairs with register spills"
+    status=1
+  else
+    echo "  ok: $nk kernels x ${#ARCHS[@]} archs, no spills"
+  fi
+done
+
+# ---- 2. syntax check of the torch binding -----------------------------------------------------------------------
+echo
+BINDING=csrc/cuda/torch_bindings.cpp
+if [ ! -e "$BINDING" ]; then
+  echo "== $BINDING: absent"
+elif ! TORCH_INC="$("$PY" -c 'import torch.utils.cpp_extension as c; print(" ".join("-I" + p for p in
+    c.include_paths()))' 2>/dev/null)"; then
+  echo "== $BINDING: SKIP syntax check (no torch in $PY)"
+else
+  # CPU torch wheels ship the c10/cuda headers but not the build-generated cuda_cmake_macros.h; stub it.
+  mkdir -p "$WORK/stub/c10/cuda/impl"
+  echo '#define C10_CUDA_BUILD_SHARED_LIBS' >"$WORK/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  CUDA_INC="$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include"
+  [ -e "$CUDA_INC/cuda_runtime.h" ] || CUDA_INC=/usr/local/cuda/include
+  # shellcheck disable=SC2086
+  if g++ -std=c++17 -fsyntax-only -Wall -Wno-unknown-pragmas -I csrc $TORCH_INC -I "$WORK/stub" -I "$CUDA_INC" \
+      $(python3-config --includes 2>/dev/null) "$BINDING" >"$WORK/binding.log" 2>&1; then
+    echo "== $BINDING: g++ syntax check ok"
+    grep -A2 "torch_bindings.cpp:[0-9]*:[0-9]*: warning" "$WORK/binding.log" | head -n 20
+  else
+    grep -E "error" "$WORK/binding.log" | head -n 40
+    echo "FAIL: $BINDING does not pass the g++ syntax check"
+    status=1
+  fi
+fi
+
+echo
+if [ "$status" = 0 ]; then echo "nvcc_check: PASS"; else echo "nvcc_check: FAIL"; fi
+exit "$status"

@@ -1,0 +1,158 @@
+// Torch-free interface of the compiled CUDA kernels: one params struct per op (pointers, int64 sizes and
+// strides in elements) and a host launcher per op that returns cudaError_t. Filled and called only by
+// csrc/cuda/torch_bindings.cpp, the one CUDA file that sees torch. Math and shapes: csrc/ops.cpp, docs/FORMATS.md.
+//
+// Conventions for every struct below:
+//   * strides are in elements of the pointed-to type, int64 (B*H*M*L may exceed 2^31);
+//   * the last dim of every tensor has stride 1 (the binding checks it), other dims any stride;
+//   * fp16 tensors are passed as raw uint16_t bits, packed codes as uint32_t words;
+//   * launchers never allocate: the split-K workspace is sized with *_workspace_floats() and passed in.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvkernels/quant.cuh"
+
+namespace kvk {
+
+// Activation dtypes the GEMV and quantize kernels read (converted to fp32 on load).
+enum class XDtype : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
+
+// Message of the last launcher failure on this thread (unsupported template value, bad config); "" if none.
+// The binding appends it to its error so a `default:` dispatch branch reads as a sentence, not a code.
+const char* last_launch_error();
+
+// ---------------------------------------------------------------------------------------------------------
+// gemv_inner_q:  y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes[b, h_kv, m, l])
+// with groups of G along l; h_kv = h / (H_q / H_kv).
+struct GemvInnerQParams {
+  // ---- pointers ----
+  const void* x;             // [B, H_q, T, L] activations of dtype x_dtype
+  const uint32_t* codes;     // [B, H_kv, M, L * bits / 32] packed codes
+  const uint16_t* scales;    // [B, H_kv, M, L / G] fp16 scale bits (hybrid: sign bit = asym group)
+  const uint16_t* zeros;     // [B, H_kv, M, L / G] fp16 zero bits; nullptr allowed for sym only
+  const float* x_scale;      // [H_kv, L] per-channel multiplier of x, or nullptr (= all ones)
+  float* y;                  // [B, H_q, T, M] fp32 output
+  float* workspace;          // split-K partial sums, >= gemv_inner_q_workspace_floats(*this) floats (or nullptr if 0)
+  int64_t workspace_floats;  // size of `workspace`, checked by the launcher
+  // ---- sizes ----
+  int64_t B, H_q, H_kv;  // batch, query heads, KV heads (H_q % H_kv == 0)
+  int64_t T;             // query rows per head (1 for a 3-D x)
+  int64_t M;             // output rows per head (tokens for keys, head_dim for values)
+  int64_t L;             // reduction length (head_dim for keys, tokens for values), multiple of group_size
+  int bits;              // 1..4
+  int group_size;        // G, positive multiple of 32 dividing L
+  QuantMode mode;        // sym / asym / hybrid
+  XDtype x_dtype;        // dtype of x
+  int num_sms;           // multiprocessor count of the device, drives the split-K / row-tiling plan
+  // ---- strides (elements) ----
+  int64_t x_sb, x_sh, x_st;  // x: batch, head, query-row
+  int64_t c_sb, c_sh, c_sm;  // codes (uint32 words): batch, KV head, row
+  int64_t s_sb, s_sh, s_sm;  // scales: batch, KV head, row
+  int64_t z_sb, z_sh, z_sm;  // zeros: batch, KV head, row (ignored when zeros == nullptr)
+  int64_t xs_sh;             // x_scale: KV head (row) stride
+  int64_t y_sb, y_sh, y_st;  // y: batch, head, query-row
+};
+
+// fp32 workspace the launcher needs (0 when no split-K is planned). Deterministic in the params.
+int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p);
+cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------
+// gemv_kivi:  y[b, h, t, c] = sum_r x[b, h, t, r] * (s[b, h_kv, r, c / G] * u[b, h_kv, r, c] + z[b, h_kv, r, c / G])
+struct GemvKiviParams {
+  // ---- pointers ----
+  const void* x;             // [B, H_q, T, R] activations of dtype x_dtype
+  const uint32_t* codes;     // [B, H_kv, R, C * bits / 32] packed codes, groups along C
+  const uint16_t* scales;    // [B, H_kv, R, C / G] fp16 scale bits (asym)
+  const uint16_t* zeros;     // [B, H_kv, R, C / G] fp16 zero bits
+  float* y;                  // [B, H_q, T, C] fp32 output
+  float* workspace;          // split-K partial sums, >= gemv_kivi_workspace_floats(*this) floats (or nullptr if 0)
+  int64_t workspace_floats;  // size of `workspace`, checked by the launcher
+  // ---- sizes ----
+  int64_t B, H_q, H_kv;  // batch, query heads, KV heads (H_q % H_kv == 0)
+  int64_t T;             // query rows per head (1 for a 3-D x)
+  int64_t R;             // reduction length = rows of codes (tokens for values, head_dim for keys)
+  int64_t C;             // output length = packed columns (head_dim for values, tokens for keys)
+  int bits;              // 1..4
+  int group_size;        // G along C, positive multiple of 32 dividing C
+  XDtype x_dtype;        // dtype of x
+  int num_sms;           // multiprocessor count of the device
+  // ---- strides (elements) ----
+  int64_t x_sb, x_sh, x_st;  // x: batch, head, query-row
+  int64_t c_sb, c_sh, c_sr;  // codes (uint32 words): batch, KV head, row
+  int64_t s_sb, s_sh, s_sr;  // scales: batch, KV head, row
+  int64_t z_sb, z_sh, z_sr;  // zeros: batch, KV head, row
+  int64_t y_sb, y_sh, y_st;  // y: batch, head, query-row
+};
+
+int64_t gemv_kivi_workspace_floats(const GemvKiviParams& p);
+cudaError_t launch_gemv_kivi(const GemvKiviParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------
+// Storage ops. Their tensors are "rows" of a last dim, with up to kMaxRowDims leading dims of any stride
+// (the binding coalesces adjacent dims first and falls back to a contiguous copy beyond that).
+constexpr int kMaxRowDims = 4;
+
+// Element offset of row r (row-major over the leading dims) = sum_d index_d(r) * stride[d].
+struct RowLayout {
+  int ndim;                      // number of leading dims used (0 = a single row)
+  int64_t size[kMaxRowDims];     // leading sizes, outermost first
+  int64_t stride[kMaxRowDims];   // leading strides in elements
+};
+
+// quantize_groups_into: every group of G values along the last dim -> codes / scale / zero (quant.cuh).
+struct QuantizeParams {
+  const void* x;       // [rows..., L] input of dtype x_dtype (last-dim stride 1)
+  uint32_t* codes;     // [rows..., L * bits / 32] output words
+  uint16_t* scales;    // [rows..., L / G] output fp16 bits
+  uint16_t* zeros;     // [rows..., L / G] output fp16 bits (0 for sym groups)
+  RowLayout x_rows, c_rows, s_rows, z_rows;  // leading dims of each tensor (same sizes, own strides)
+  int64_t rows;        // product of the leading sizes
+  int64_t L;           // values per row
+  int bits;            // 1..4
+  int group_size;      // G
+  QuantMode mode;      // sym / asym / hybrid
+  float eta;           // asym calibration (0 = min/max)
+  XDtype x_dtype;      // dtype of x
+};
+cudaError_t launch_quantize_groups_into(const QuantizeParams& p, cudaStream_t stream);
+
+// dequantize_groups: out[r, l] = s * u + zeff for every value; out is contiguous fp32 [rows, L].
+struct DequantizeParams {
+  const uint32_t* codes;   // [rows..., L * bits / 32]
+  const uint16_t* scales;  // [rows..., L / G]
+  const uint16_t* zeros;   // [rows..., L / G] or nullptr (sym only)
+  float* out;              // [rows, L] contiguous
+  RowLayout c_rows, s_rows, z_rows;
+  int64_t rows, L;
+  int bits, group_size;
+  QuantMode mode;
+};
+cudaError_t launch_dequantize_groups(const DequantizeParams& p, cudaStream_t stream);
+
+// pack_bits / unpack_bits on contiguous buffers of whole 32-value blocks.
+struct PackParams {
+  const int32_t* codes;  // [nblocks * 32] codes (only the low `bits` bits are used)
+  uint32_t* packed;      // [nblocks * bits] words
+  int64_t nblocks;
+  int bits;
+};
+cudaError_t launch_pack_bits(const PackParams& p, cudaStream_t stream);
+
+struct UnpackParams {
+  const uint32_t* packed;  // [nblocks * bits] words
+  uint8_t* codes;          // [nblocks * 32] codes
+  int64_t nblocks;
+  int bits;
+};
+cudaError_t launch_unpack_bits(const UnpackParams& p, cudaStream_t stream);
+
+// Deterministic split-K combine shared by both GEMVs: y[b, h, t, n] = sum_{s < splits} ws[s, b, h, t, n]
+// (fixed order), ws contiguous [splits, B, H, T, N], y with strides (y_sb, y_sh, y_st, 1).
+cudaError_t launch_combine_splits(const float* ws, int splits, int64_t B, int64_t H, int64_t T, int64_t N, float* y,
+                                  int64_t y_sb, int64_t y_sh, int64_t y_st, cudaStream_t stream);
+
+}  // namespace kvk

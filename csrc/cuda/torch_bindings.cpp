@@ -1,0 +1,471 @@
+// CUDA registrations of the kvkernels ops: the only CUDA-side file that includes torch. For each op it checks
+// the arguments (mirroring kvkernels/_validate.py: TypeError for dtypes, ValueError for shapes), fills the
+// torch-free params struct of csrc/cuda/kernels.h, allocates outputs and the split-K workspace with the caching
+// allocator (so the ops can be captured in CUDA graphs), launches on the current stream and turns a failed
+// launch into an exception that names the op.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>  // c10::cuda::getCurrentCUDAStream, which at::cuda::getCurrentCUDAStream aliases;
+                                  // ATen/cuda/CUDAContext.h would also pull in the cuBLAS/cuSPARSE headers
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels.h"
+
+namespace kvk_cuda {
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+kvk::QuantMode parse_mode(const char* op, const std::string& mode) {
+  if (mode == "sym") return kvk::QuantMode::kSym;
+  if (mode == "asym") return kvk::QuantMode::kAsym;
+  if (mode == "hybrid") return kvk::QuantMode::kHybrid;
+  TORCH_CHECK_VALUE(false, "kvkernels.", op, ": mode must be one of ('sym', 'asym', 'hybrid'), got '", mode, "'");
+}
+
+void check_bits(const char* op, int64_t bits) {
+  TORCH_CHECK_VALUE(bits >= 1 && bits <= 4, "kvkernels.", op, ": bits must be one of (1, 2, 3, 4), got ", bits);
+}
+
+void check_group_size(const char* op, int64_t group_size, int64_t length, const char* what) {
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0, "kvkernels.", op,
+                    ": group_size must be a positive multiple of 32, got ", group_size);
+  TORCH_CHECK_VALUE(length % group_size == 0, "kvkernels.", op, ": ", what, "=", length,
+                    " must be a multiple of group_size=", group_size);
+}
+
+void check_cuda(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.is_cuda(), "kvkernels.", op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.device() == device, "kvkernels.", op, ": all tensors must be on one device, ", name, " is on ",
+                    t.device(), ", expected ", device);
+}
+
+void check_last_dim_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "kvkernels.", op, ": ", name,
+                    " must have stride 1 in its last dim (row strides may be anything), got ", t.strides());
+}
+
+void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
+  TORCH_CHECK_VALUE(t.sizes() == expected, "kvkernels.", op, ": ", name, " must have shape ", expected, ", got ",
+                    t.sizes());
+}
+
+kvk::XDtype activation_dtype(const char* op, const char* name, const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return kvk::XDtype::kF16;
+    case at::kBFloat16: return kvk::XDtype::kBF16;
+    case at::kFloat: return kvk::XDtype::kF32;
+    default:
+      TORCH_CHECK_TYPE(false, "kvkernels.", op, ": ", name, " must be float16 or bfloat16 or float32, got ",
+                       t.scalar_type());
+  }
+}
+
+void check_launch(const char* op, cudaError_t err) {
+  if (err == cudaSuccess) return;
+  const std::string msg = kvk::last_launch_error();
+  TORCH_CHECK(false, "kvkernels.", op, ": CUDA launch failed: ", cudaGetErrorString(err),
+              msg.empty() ? "" : " (", msg, msg.empty() ? "" : ")");
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
+const uint32_t* words(const at::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.const_data_ptr()); }
+
+// Leading dims of t (all but the last) as a RowLayout, size-1 dims dropped and adjacent dims merged where their
+// strides allow. Returns false if more than kMaxRowDims dims remain (caller falls back to a contiguous copy).
+bool row_layout(const at::Tensor& t, kvk::RowLayout& rl) {
+  std::vector<int64_t> sizes, strides;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (!sizes.empty() && strides.back() == t.stride(d) * t.size(d)) {  // merge with the outer dim
+      sizes.back() *= t.size(d);
+      strides.back() = t.stride(d);
+    } else {
+      sizes.push_back(t.size(d));
+      strides.push_back(t.stride(d));
+    }
+  }
+  if (static_cast<int>(sizes.size()) > kvk::kMaxRowDims) return false;
+  rl = kvk::RowLayout{};
+  rl.ndim = static_cast<int>(sizes.size());
+  for (int i = 0; i < rl.ndim; ++i) {
+    rl.size[i] = sizes[i];
+    rl.stride[i] = strides[i];
+  }
+  return true;
+}
+
+// ---- storage ops ----------------------------------------------------------------------------------------------
+
+at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
+  const char* op = "pack_bits";
+  check_bits(op, bits);
+  TORCH_CHECK_TYPE(!at::isFloatingType(codes.scalar_type()) && !at::isComplexType(codes.scalar_type()) &&
+                       codes.scalar_type() != at::kBool,
+                   "kvkernels.pack_bits: codes must be an integer tensor, got ", codes.scalar_type());
+  TORCH_CHECK_VALUE(codes.dim() >= 1 && codes.size(-1) % kBlock == 0,
+                    "kvkernels.pack_bits: codes last dim must be a multiple of 32, got shape ", codes.sizes());
+  check_cuda(op, "codes", codes, codes.device());
+  const c10::cuda::CUDAGuard device_guard(codes.device());
+  // int32 keeps the low 32 bits, like the CPU op's int64 -> uint32; pack_block masks to `bits` anyway
+  const at::Tensor src = codes.to(at::kInt).contiguous();
+  auto sizes = codes.sizes().vec();
+  sizes.back() = sizes.back() / kBlock * bits;
+  at::Tensor out = at::empty(sizes, codes.options().dtype(at::kInt));
+  kvk::PackParams p{};
+  p.codes = src.const_data_ptr<int32_t>();
+  p.packed = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  p.nblocks = src.numel() / kBlock;
+  p.bits = static_cast<int>(bits);
+  check_launch(op, kvk::launch_pack_bits(p, current_stream()));
+  return out;
+}
+
+at::Tensor unpack_bits(const at::Tensor& packed, int64_t bits) {
+  const char* op = "unpack_bits";
+  check_bits(op, bits);
+  TORCH_CHECK_TYPE(packed.scalar_type() == at::kInt, "kvkernels.unpack_bits: packed must be int32, got ",
+                   packed.scalar_type());
+  TORCH_CHECK_VALUE(packed.dim() >= 1 && packed.size(-1) % bits == 0, "kvkernels.unpack_bits: packed last dim must ",
+                    "be a multiple of bits=", bits, ", got shape ", packed.sizes());
+  check_cuda(op, "packed", packed, packed.device());
+  const c10::cuda::CUDAGuard device_guard(packed.device());
+  const at::Tensor src = packed.contiguous();
+  auto sizes = packed.sizes().vec();
+  sizes.back() = sizes.back() / bits * kBlock;
+  at::Tensor out = at::empty(sizes, packed.options().dtype(at::kByte));
+  kvk::UnpackParams p{};
+  p.packed = words(src);
+  p.codes = out.data_ptr<uint8_t>();
+  p.nblocks = src.numel() / bits;
+  p.bits = static_cast<int>(bits);
+  check_launch(op, kvk::launch_unpack_bits(p, current_stream()));
+  return out;
+}
+
+void check_quantize(const char* op, const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode,
+                    double eta) {
+  check_bits(op, bits);
+  parse_mode(op, mode);
+  activation_dtype(op, "x", x);
+  TORCH_CHECK_VALUE(x.dim() >= 1, "kvkernels.", op, ": x must have at least one dim");
+  check_group_size(op, group_size, x.size(-1), "x.shape[-1]");
+  TORCH_CHECK_VALUE(eta >= 0.0 && eta < 0.5, "kvkernels.", op, ": eta must be in [0, 0.5), got ", eta);
+  TORCH_CHECK_VALUE(eta == 0.0 || mode == "asym", "kvkernels.", op,
+                    ": eta applies to asym mode only, got mode='", mode, "' with eta=", eta);
+  check_cuda(op, "x", x, x.device());
+}
+
+// Quantizes x into codes / scales / zeros, which already have the right shapes and dtypes.
+void quantize_into_checked(const char* op, const at::Tensor& x_in, int64_t bits, int64_t group_size,
+                           const std::string& mode, double eta, at::Tensor& codes, at::Tensor& scales,
+                           at::Tensor& zeros) {
+  const c10::cuda::CUDAGuard device_guard(x_in.device());
+  at::Tensor x = x_in.dim() && x_in.size(-1) > 1 && x_in.stride(-1) != 1 ? x_in.contiguous() : x_in;
+  kvk::QuantizeParams p{};
+  if (!row_layout(x, p.x_rows)) {
+    x = x.contiguous();
+    row_layout(x, p.x_rows);
+  }
+  kvk::RowLayout cl{}, sl{}, zl{};
+  if (!row_layout(codes, cl) || !row_layout(scales, sl) || !row_layout(zeros, zl)) {
+    // more than kMaxRowDims non-mergeable leading dims: quantize into contiguous buffers, then copy
+    at::Tensor c = at::empty(codes.sizes(), codes.options());
+    at::Tensor s = at::empty(scales.sizes(), scales.options());
+    at::Tensor z = at::empty(zeros.sizes(), zeros.options());
+    quantize_into_checked(op, x, bits, group_size, mode, eta, c, s, z);
+    codes.copy_(c);
+    scales.copy_(s);
+    zeros.copy_(z);
+    return;
+  }
+  p.x = x.const_data_ptr();
+  p.x_dtype = activation_dtype(op, "x", x);
+  p.codes = reinterpret_cast<uint32_t*>(codes.data_ptr<int32_t>());
+  p.scales = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  p.zeros = reinterpret_cast<uint16_t*>(zeros.data_ptr<at::Half>());
+  p.c_rows = cl;
+  p.s_rows = sl;
+  p.z_rows = zl;
+  p.L = x.size(-1);
+  p.rows = p.L == 0 ? 0 : x.numel() / p.L;
+  p.bits = static_cast<int>(bits);
+  p.group_size = static_cast<int>(group_size);
+  p.mode = parse_mode(op, mode);
+  p.eta = static_cast<float>(eta);  // the CPU op narrows the same way
+  check_launch(op, kvk::launch_quantize_groups_into(p, current_stream()));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor& x, int64_t bits, int64_t group_size,
+                                                               const std::string& mode, double eta) {
+  const char* op = "quantize_groups";
+  check_quantize(op, x, bits, group_size, mode, eta);
+  const int64_t L = x.size(-1);
+  auto code_sizes = x.sizes().vec();
+  code_sizes.back() = L / kBlock * bits;
+  auto group_sizes = x.sizes().vec();
+  group_sizes.back() = L / group_size;
+  at::Tensor codes = at::empty(code_sizes, x.options().dtype(at::kInt));
+  at::Tensor scales = at::empty(group_sizes, x.options().dtype(at::kHalf));
+  at::Tensor zeros = at::empty(group_sizes, x.options().dtype(at::kHalf));
+  quantize_into_checked(op, x, bits, group_size, mode, eta, codes, scales, zeros);
+  return {codes, scales, zeros};
+}
+
+void quantize_groups_into(const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode, double eta,
+                          at::Tensor codes, at::Tensor scales, at::Tensor zeros) {
+  const char* op = "quantize_groups_into";
+  check_quantize(op, x, bits, group_size, mode, eta);
+  const int64_t L = x.size(-1);
+  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 1);
+  auto code_shape = lead;
+  code_shape.push_back(L / kBlock * bits);
+  auto group_shape = lead;
+  group_shape.push_back(L / group_size);
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kInt, "kvkernels.", op, ": codes must be int32, got ",
+                   codes.scalar_type());
+  check_shape(op, "codes", codes, code_shape);
+  check_last_dim_contiguous(op, "codes", codes);
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kHalf, "kvkernels.", op, ": scales must be float16, got ",
+                   scales.scalar_type());
+  check_shape(op, "scales", scales, group_shape);
+  check_last_dim_contiguous(op, "scales", scales);
+  TORCH_CHECK_TYPE(zeros.scalar_type() == at::kHalf, "kvkernels.", op, ": zeros must be float16, got ",
+                   zeros.scalar_type());
+  check_shape(op, "zeros", zeros, group_shape);
+  check_last_dim_contiguous(op, "zeros", zeros);
+  check_cuda(op, "codes", codes, x.device());
+  check_cuda(op, "scales", scales, x.device());
+  check_cuda(op, "zeros", zeros, x.device());
+  quantize_into_checked(op, x, bits, group_size, mode, eta, codes, scales, zeros);
+}
+
+at::Tensor dequantize_groups(const at::Tensor& codes_in, const at::Tensor& scales_in,
+                             const std::optional<at::Tensor>& zeros_in, int64_t bits, int64_t group_size,
+                             const std::string& mode) {
+  const char* op = "dequantize_groups";
+  check_bits(op, bits);
+  const kvk::QuantMode qmode = parse_mode(op, mode);
+  TORCH_CHECK_TYPE(codes_in.scalar_type() == at::kInt, "kvkernels.", op, ": codes must be int32, got ",
+                   codes_in.scalar_type());
+  TORCH_CHECK_VALUE(codes_in.dim() >= 1 && codes_in.size(-1) % bits == 0, "kvkernels.", op,
+                    ": codes last dim must be a multiple of bits=", bits, ", got shape ", codes_in.sizes());
+  const int64_t L = codes_in.size(-1) / bits * kBlock;
+  check_group_size(op, group_size, L, "L");
+  auto group_shape = codes_in.sizes().vec();
+  group_shape.back() = L / group_size;
+  TORCH_CHECK_TYPE(scales_in.scalar_type() == at::kHalf, "kvkernels.", op, ": scales must be float16, got ",
+                   scales_in.scalar_type());
+  check_shape(op, "scales", scales_in, group_shape);
+  TORCH_CHECK_VALUE(qmode == kvk::QuantMode::kSym || zeros_in.has_value(), "kvkernels.", op,
+                    ": zeros is required for asym and hybrid modes");
+  check_cuda(op, "codes", codes_in, codes_in.device());
+  check_cuda(op, "scales", scales_in, codes_in.device());
+  if (zeros_in.has_value()) {
+    TORCH_CHECK_TYPE(zeros_in->scalar_type() == at::kHalf, "kvkernels.", op, ": zeros must be float16, got ",
+                     zeros_in->scalar_type());
+    check_shape(op, "zeros", *zeros_in, group_shape);
+    check_cuda(op, "zeros", *zeros_in, codes_in.device());
+  }
+  const c10::cuda::CUDAGuard device_guard(codes_in.device());
+  // Row strides are passed through; a non-unit last stride or > kMaxRowDims leading dims costs a copy.
+  const auto prepare = [](const at::Tensor& t, kvk::RowLayout& rl) {
+    at::Tensor u = t.dim() && t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+    if (!row_layout(u, rl)) {
+      u = u.contiguous();
+      row_layout(u, rl);
+    }
+    return u;
+  };
+  kvk::DequantizeParams p{};
+  const at::Tensor codes = prepare(codes_in, p.c_rows);
+  const at::Tensor scales = prepare(scales_in, p.s_rows);
+  at::Tensor zeros;
+  if (zeros_in.has_value()) zeros = prepare(*zeros_in, p.z_rows);
+  auto out_shape = codes_in.sizes().vec();
+  out_shape.back() = L;
+  at::Tensor out = at::empty(out_shape, codes_in.options().dtype(at::kFloat));
+  p.codes = words(codes);
+  p.scales = half_bits(scales);
+  p.zeros = zeros.defined() ? half_bits(zeros) : nullptr;
+  p.out = out.data_ptr<float>();
+  p.L = L;
+  p.rows = L == 0 ? 0 : out.numel() / L;
+  p.bits = static_cast<int>(bits);
+  p.group_size = static_cast<int>(group_size);
+  p.mode = qmode;
+  check_launch(op, kvk::launch_dequantize_groups(p, current_stream()));
+  return out;
+}
+
+// ---- GEMVs ------------------------------------------------------------------------------------------------------
+
+// Shared x / codes checks of both GEMVs (kvkernels/_validate.py: _check_x, _check_kv_heads).
+void check_x_and_codes(const char* op, const at::Tensor& x, const at::Tensor& codes) {
+  TORCH_CHECK_VALUE(x.dim() == 3 || x.dim() == 4, "kvkernels.", op, ": x must be [B, H_q, L] or [B, H_q, T, L], ",
+                    "got shape ", x.sizes());
+  activation_dtype(op, "x", x);
+  check_last_dim_contiguous(op, "x", x);
+  TORCH_CHECK_VALUE(codes.dim() == 4, "kvkernels.", op, ": codes must be 4-D [B, H_kv, rows, words], got shape ",
+                    codes.sizes());
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kInt, "kvkernels.", op, ": codes must be int32, got ",
+                   codes.scalar_type());
+  check_last_dim_contiguous(op, "codes", codes);
+  TORCH_CHECK_VALUE(codes.size(0) == x.size(0), "kvkernels.", op, ": codes batch ", codes.size(0), " != x batch ",
+                    x.size(0));
+  TORCH_CHECK_VALUE(codes.size(1) != 0 && x.size(1) % codes.size(1) == 0, "kvkernels.", op, ": query heads H_q=",
+                    x.size(1), " must be a multiple of KV heads H_kv=", codes.size(1));
+  check_cuda(op, "x", x, x.device());
+  check_cuda(op, "codes", codes, x.device());
+}
+
+void check_group_params(const char* op, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                        at::IntArrayRef expected, bool needs_zeros, const at::Device& device) {
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kHalf, "kvkernels.", op, ": scales must be float16, got ",
+                   scales.scalar_type());
+  check_shape(op, "scales", scales, expected);
+  check_last_dim_contiguous(op, "scales", scales);
+  check_cuda(op, "scales", scales, device);
+  if (!zeros.has_value()) {
+    TORCH_CHECK_VALUE(!needs_zeros, "kvkernels.", op, ": zeros is required for asym and hybrid modes");
+    return;
+  }
+  TORCH_CHECK_TYPE(zeros->scalar_type() == at::kHalf, "kvkernels.", op, ": zeros must be float16, got ",
+                   zeros->scalar_type());
+  check_shape(op, "zeros", *zeros, expected);
+  check_last_dim_contiguous(op, "zeros", *zeros);
+  check_cuda(op, "zeros", *zeros, device);
+}
+
+// SM count of the current device (the guard has set it); the runtime caches the attribute, so this is cheap.
+int num_sms() {
+  int device = 0, count = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                        const std::string& mode, const std::optional<at::Tensor>& x_scale) {
+  const char* op = "gemv_inner_q";
+  check_bits(op, bits);
+  const kvk::QuantMode qmode = parse_mode(op, mode);
+  check_x_and_codes(op, x, codes);
+  const int64_t L = x.size(-1);
+  check_group_size(op, group_size, L, "x.shape[-1] (L)");
+  const int64_t B = codes.size(0), H_kv = codes.size(1), M = codes.size(2);
+  TORCH_CHECK_VALUE(codes.size(3) == L / kBlock * bits, "kvkernels.", op, ": codes must hold L*bits/32 = ",
+                    L / kBlock * bits, " words per row for L=", L, ", got ", codes.size(3));
+  check_group_params(op, scales, zeros, {B, H_kv, M, L / group_size}, qmode != kvk::QuantMode::kSym, x.device());
+  if (x_scale.has_value()) {
+    TORCH_CHECK_TYPE(x_scale->scalar_type() == at::kFloat, "kvkernels.", op, ": x_scale must be float32, got ",
+                     x_scale->scalar_type());
+    check_shape(op, "x_scale", *x_scale, {H_kv, L});
+    check_last_dim_contiguous(op, "x_scale", *x_scale);
+    check_cuda(op, "x_scale", *x_scale, x.device());
+  }
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const bool has_t = x.dim() == 4;
+  const int64_t H_q = x.size(1), T = has_t ? x.size(2) : 1;
+  auto y_shape = x.sizes().vec();
+  y_shape.back() = M;
+  at::Tensor y = at::empty(y_shape, x.options().dtype(at::kFloat));
+  if (y.numel() == 0) return y;
+  if (L == 0) return y.zero_();
+
+  kvk::GemvInnerQParams p{};
+  p.x = x.const_data_ptr();
+  p.codes = words(codes);
+  p.scales = half_bits(scales);
+  p.zeros = zeros.has_value() ? half_bits(*zeros) : nullptr;
+  p.x_scale = x_scale.has_value() ? x_scale->const_data_ptr<float>() : nullptr;
+  p.y = y.data_ptr<float>();
+  p.B = B, p.H_q = H_q, p.H_kv = H_kv, p.T = T, p.M = M, p.L = L;
+  p.bits = static_cast<int>(bits);
+  p.group_size = static_cast<int>(group_size);
+  p.mode = qmode;
+  p.x_dtype = activation_dtype(op, "x", x);
+  p.num_sms = num_sms();
+  p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = has_t ? x.stride(2) : 0;
+  p.c_sb = codes.stride(0), p.c_sh = codes.stride(1), p.c_sm = codes.stride(2);
+  p.s_sb = scales.stride(0), p.s_sh = scales.stride(1), p.s_sm = scales.stride(2);
+  if (zeros.has_value()) p.z_sb = zeros->stride(0), p.z_sh = zeros->stride(1), p.z_sm = zeros->stride(2);
+  p.xs_sh = x_scale.has_value() ? x_scale->stride(0) : 0;
+  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
+  const int64_t ws_floats = kvk::gemv_inner_q_workspace_floats(p);
+  at::Tensor ws;
+  if (ws_floats > 0) {
+    ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
+    p.workspace = ws.data_ptr<float>();
+    p.workspace_floats = ws_floats;
+  }
+  check_launch(op, kvk::launch_gemv_inner_q(p, current_stream()));
+  return y;
+}
+
+at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                     int64_t bits, int64_t group_size) {
+  const char* op = "gemv_kivi";
+  check_bits(op, bits);
+  check_x_and_codes(op, x, codes);
+  const int64_t B = codes.size(0), H_kv = codes.size(1), R = codes.size(2), W = codes.size(3);
+  TORCH_CHECK_VALUE(R == x.size(-1), "kvkernels.", op, ": codes rows R=", R, " must equal x.shape[-1]=", x.size(-1));
+  TORCH_CHECK_VALUE(W % bits == 0, "kvkernels.", op, ": codes last dim ", W, " must be a multiple of bits=", bits);
+  const int64_t C = W / bits * kBlock;
+  check_group_size(op, group_size, C, "C (columns)");
+  check_group_params(op, scales, zeros, {B, H_kv, R, C / group_size}, true, x.device());
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const bool has_t = x.dim() == 4;
+  const int64_t H_q = x.size(1), T = has_t ? x.size(2) : 1;
+  auto y_shape = x.sizes().vec();
+  y_shape.back() = C;
+  at::Tensor y = at::empty(y_shape, x.options().dtype(at::kFloat));
+  if (y.numel() == 0) return y;
+  if (R == 0) return y.zero_();
+
+  kvk::GemvKiviParams p{};
+  p.x = x.const_data_ptr();
+  p.codes = words(codes);
+  p.scales = half_bits(scales);
+  p.zeros = half_bits(zeros);
+  p.y = y.data_ptr<float>();
+  p.B = B, p.H_q = H_q, p.H_kv = H_kv, p.T = T, p.R = R, p.C = C;
+  p.bits = static_cast<int>(bits);
+  p.group_size = static_cast<int>(group_size);
+  p.x_dtype = activation_dtype(op, "x", x);
+  p.num_sms = num_sms();
+  p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = has_t ? x.stride(2) : 0;
+  p.c_sb = codes.stride(0), p.c_sh = codes.stride(1), p.c_sr = codes.stride(2);
+  p.s_sb = scales.stride(0), p.s_sh = scales.stride(1), p.s_sr = scales.stride(2);
+  p.z_sb = zeros.stride(0), p.z_sh = zeros.stride(1), p.z_sr = zeros.stride(2);
+  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
+  const int64_t ws_floats = kvk::gemv_kivi_workspace_floats(p);
+  at::Tensor ws;
+  if (ws_floats > 0) {
+    ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
+    p.workspace = ws.data_ptr<float>();
+    p.workspace_floats = ws_floats;
+  }
+  check_launch(op, kvk::launch_gemv_kivi(p, current_stream()));
+  return y;
+}
+
+}  // namespace
+}  // namespace kvk_cuda
+
+TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
+  m.impl("pack_bits", &kvk_cuda::pack_bits);
+  m.impl("unpack_bits", &kvk_cuda::unpack_bits);
+  m.impl("quantize_groups", &kvk_cuda::quantize_groups);
+  m.impl("quantize_groups_into", &kvk_cuda::quantize_groups_into);
+  m.impl("dequantize_groups", &kvk_cuda::dequantize_groups);
+  m.impl("gemv_inner_q", &kvk_cuda::gemv_inner_q);
+  m.impl("gemv_kivi", &kvk_cuda::gemv_kivi);
+}

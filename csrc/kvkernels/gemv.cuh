@@ -1,0 +1,149 @@
+// Device helpers shared by the CUDA GEMV / quantize kernels (csrc/cuda/*.cu): activation loads, code->float,
+// warp reductions, row offsets, and the named dispatch macros that turn runtime choices into template
+// arguments. Torch-free; only nvcc includes this header.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../cuda/kernels.h"
+#include "packing.cuh"
+#include "quant.cuh"
+
+namespace kvk {
+
+// Host: records the message last_launch_error() returns; used by the dispatch macros' `default:` branches.
+void set_launch_error(const char* fmt, ...);
+void clear_launch_error();
+
+// ---- dispatch: a runtime value becomes a constexpr named CONST inside __VA_ARGS__ --------------------------
+// Every `default:` records which value is unsupported and returns cudaErrorInvalidValue from the launcher.
+#define KVK_DISPATCH_BITS(bits, CONST, ...)                                                        \
+  switch (bits) {                                                                                  \
+    case 1: { constexpr int CONST = 1; __VA_ARGS__ } break;                                        \
+    case 2: { constexpr int CONST = 2; __VA_ARGS__ } break;                                        \
+    case 3: { constexpr int CONST = 3; __VA_ARGS__ } break;                                        \
+    case 4: { constexpr int CONST = 4; __VA_ARGS__ } break;                                        \
+    default:                                                                                       \
+      ::kvk::set_launch_error("unsupported bits=%d (supported: 1, 2, 3, 4)", (int)(bits));        \
+      return cudaErrorInvalidValue;                                                                \
+  }
+
+#define KVK_DISPATCH_MODE(mode, CONST, ...)                                                          \
+  switch (mode) {                                                                                    \
+    case ::kvk::QuantMode::kSym: {                                                                   \
+      constexpr ::kvk::QuantMode CONST = ::kvk::QuantMode::kSym;                                     \
+      __VA_ARGS__                                                                                    \
+    } break;                                                                                         \
+    case ::kvk::QuantMode::kAsym: {                                                                  \
+      constexpr ::kvk::QuantMode CONST = ::kvk::QuantMode::kAsym;                                    \
+      __VA_ARGS__                                                                                    \
+    } break;                                                                                         \
+    case ::kvk::QuantMode::kHybrid: {                                                                \
+      constexpr ::kvk::QuantMode CONST = ::kvk::QuantMode::kHybrid;                                  \
+      __VA_ARGS__                                                                                    \
+    } break;                                                                                         \
+    default:                                                                                         \
+      ::kvk::set_launch_error("unsupported quant mode %d (expected sym=0, asym=1, hybrid=2)", (int)(mode)); \
+      return cudaErrorInvalidValue;                                                                  \
+  }
+
+// Query rows per register tile: 1, 2, 4 or 8 (see pick_query_tile).
+#define KVK_DISPATCH_QUERY_TILE(qt, CONST, ...)                                                 \
+  switch (qt) {                                                                                 \
+    case 1: { constexpr int CONST = 1; __VA_ARGS__ } break;                                     \
+    case 2: { constexpr int CONST = 2; __VA_ARGS__ } break;                                     \
+    case 4: { constexpr int CONST = 4; __VA_ARGS__ } break;                                     \
+    case 8: { constexpr int CONST = 8; __VA_ARGS__ } break;                                     \
+    default:                                                                                    \
+      ::kvk::set_launch_error("unsupported query tile %d (expected 1, 2, 4 or 8)", (int)(qt));  \
+      return cudaErrorInvalidValue;                                                             \
+  }
+
+// Vectorized (16-byte) code loads where the rows are aligned, else 32-bit loads.
+#define KVK_DISPATCH_VEC(vec, CONST, ...)      \
+  if (vec) {                                   \
+    constexpr bool CONST = true;               \
+    __VA_ARGS__                                \
+  } else {                                     \
+    constexpr bool CONST = false;              \
+    __VA_ARGS__                                \
+  }
+
+// ---- tiling rules shared by host planning and device code -------------------------------------------------
+constexpr int kMaxQueryTile = 8;  // query rows held in registers at once; more rows loop over tiles in-block
+
+// Smallest supported register tile holding q rows (q > 8: tiles of 8, looped inside the block).
+__host__ __device__ constexpr int pick_query_tile(int64_t q) { return q <= 1 ? 1 : q <= 2 ? 2 : q <= 4 ? 4 : 8; }
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+__host__ __device__ constexpr int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
+__host__ __device__ constexpr int64_t lcm64(int64_t a, int64_t b) { return a / gcd64(a, b) * b; }
+__host__ __device__ constexpr int next_pow2(int64_t v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// ---- activations --------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+
+// Element i of an activation buffer of runtime dtype (used in staging loops, outside the hot inner loop: a
+// uniform branch there is cheaper than tripling the number of kernel instantiations).
+__device__ __forceinline__ float load_x(const void* x, XDtype dt, int64_t i) {
+  switch (dt) {
+    case XDtype::kF16: return to_float(__ldg(static_cast<const __half*>(x) + i));
+    case XDtype::kBF16: return to_float(__ldg(static_cast<const __nv_bfloat16*>(x) + i));
+    default: return __ldg(static_cast<const float*>(x) + i);
+  }
+}
+
+// ---- codes -------------------------------------------------------------------------------------------------
+// Exact float of a small code u < 2^23: OR it into the mantissa of 2^23 and subtract 2^23. Two full-rate ALU
+// ops (LOP3 + FADD) instead of an I2F, which runs at a quarter rate and is the bottleneck at 1-2 bits.
+__device__ __forceinline__ float code_to_float(uint32_t u) { return __uint_as_float(0x4B000000u | u) - 8388608.0f; }
+
+// Value i (compile-time after unrolling) of the 32-value block in `w`, as float.
+template <int BITS>
+__device__ __forceinline__ float decode(const uint32_t* w, int i) {
+  return code_to_float(unpack_one<BITS>(w, i));
+}
+
+// ---- reductions ----------------------------------------------------------------------------------------------
+// Butterfly sum over aligned groups of `width` lanes (power of two <= 32). Fixed order: deterministic.
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// ---- rows with arbitrary leading strides ------------------------------------------------------------------------
+__host__ __device__ __forceinline__ int64_t row_offset(const RowLayout& rl, int64_t r) {
+  int64_t off = 0;
+  for (int d = rl.ndim - 1; d >= 0; --d) {
+    const int64_t sz = rl.size[d];
+    off += (r % sz) * rl.stride[d];
+    r /= sz;
+  }
+  return off;
+}
+
+// Where a GEMV kernel writes its fp32 results for output (b, h, t, n): y itself, or slice `split` of the
+// split-K workspace.
+struct OutView {
+  float* base;
+  int64_t sb, sh, st;  // batch, head, query-row strides (the last dim is contiguous)
+  int64_t s_split;     // stride between splits (0 when writing y directly)
+};
+
+}  // namespace kvk

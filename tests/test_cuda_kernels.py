@@ -1,0 +1,402 @@
+"""Compiled CUDA kernels (csrc/cuda/) vs kvkernels.reference and the C++ CPU ops.
+
+Skipped (with the reason) without a GPU or without a CUDA build of kvkernels._C. The reference is computed in
+fp32 on the CPU. GEMV tolerance: |y - ref| <= rtol * mag + atol, where mag = sum_l |x * x_scale| * |deq(w)| is
+the magnitude the sum is made of (a relative-to-|ref| bound is meaningless where terms cancel). The kernels read
+x exactly (fp16/bf16 -> fp32 is exact) and accumulate in fp32, so the differences are only summation order and
+the hoisted s * dot + zeff * xsum form: ~1e-6 of mag, checked with 100x headroom.
+Storage ops (quantize, dequantize, pack, unpack) must be bit-identical to the C++ CPU ops.
+"""
+
+import pytest
+import torch
+
+import kvkernels
+from kvkernels import reference
+from kvkernels._backends import HAS_CUDA_KERNELS
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="kvkernels._C was built without the CUDA kernels"),
+]
+
+DEV = "cuda"
+BITS = (1, 2, 3, 4)
+MODES = ("sym", "asym", "hybrid")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (rtol on the magnitude sum, atol) per activation dtype; x is read exactly, so these are all summation-order
+GEMV_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-4, 1e-5), torch.bfloat16: (1e-4, 1e-5)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _narrow_last(t: torch.Tensor, pad: int, offset: int = 0) -> torch.Tensor:
+    """Same values as t, as a view [..., offset:offset+n] of a wider buffer (row strides != n)."""
+    buf = torch.zeros((*t.shape[:-1], t.shape[-1] + pad), dtype=t.dtype, device=t.device)
+    view = buf[..., offset : offset + t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+def _quantized(B, H_kv, rows, L, bits, G, mode, seed):
+    """Quantized random KV tensor [B, H_kv, rows, L] on the CPU (reference quantizer): codes, scales, zeros."""
+    w = torch.randn((B, H_kv, rows, L), generator=_gen(seed))
+    w[..., ::7] += 1.5  # skew some groups so hybrid mixes sym and asym
+    return reference.quantize_groups(w, bits, G, mode)
+
+
+def _to_cuda(*ts, narrow=False, misalign=False):
+    """Moves tensors to CUDA. narrow: views of buffers 8 elements wider (row strides change, 16-byte alignment of
+    int32 rows is kept); misalign: views starting one element into buffers 5 wider (rows lose alignment)."""
+    out = []
+    for t in ts:
+        if t is None:
+            out.append(None)
+            continue
+        t = t.to(DEV)
+        if misalign:
+            t = _narrow_last(t, pad=5, offset=1)
+        elif narrow:
+            t = _narrow_last(t, pad=8)
+        out.append(t)
+    return out
+
+
+def _assert_gemv_close(y, ref, mag, dtype):
+    rtol, atol = GEMV_TOL[dtype]
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    err = (y.cpu() - ref).abs()
+    bound = rtol * mag + atol
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"max excess {worst:.3g}; max err {err.max().item():.3g}, max mag {mag.max().item():.3g}"
+
+
+def _inner_q_case(B, H_q, H_kv, T, M, L, bits, G, mode, dtype, x_scale, narrow, misalign=False, seed=0):
+    codes, scales, zeros = _quantized(B, H_kv, M, L, bits, G, mode, seed)
+    x_shape = (B, H_q, L) if T is None else (B, H_q, T, L)
+    x = torch.randn(x_shape, generator=_gen(seed + 1)).to(dtype)
+    xs = torch.rand((H_kv, L), generator=_gen(seed + 2)) + 0.5 if x_scale else None
+    zeros_arg = None if mode == "sym" and seed % 2 else zeros  # sym accepts zeros=None
+    ref = reference.gemv_inner_q(x, codes, scales, zeros_arg, bits, G, mode, xs)
+    w = reference.dequantize_groups(codes, scales, zeros_arg, bits, G, mode)
+    xa = x.float().abs() if T is not None else x.float().abs().unsqueeze(2)  # [B, H_q, T, L]
+    if xs is not None:
+        xa = xa * xs.repeat_interleave(H_q // H_kv, 0)[None, :, None, :]
+    mag = xa @ w.abs().repeat_interleave(H_q // H_kv, 1).transpose(-1, -2)
+    mag = mag if T is not None else mag.squeeze(2)
+    xc, cc, sc, zc, xsc = _to_cuda(x, codes, scales, zeros_arg, xs, narrow=narrow)
+    if misalign:  # codes rows start one word in: forces the 32-bit load path
+        (cc,) = _to_cuda(codes, misalign=True)
+    y = torch.ops.kvkernels.gemv_inner_q(xc, cc, sc, zc, bits, G, mode, xsc)
+    _assert_gemv_close(y, ref, mag, dtype)
+    return y
+
+
+# ---- gemv_inner_q ---------------------------------------------------------------------------------------------
+
+
+def test_compiled_kernels_serve_cuda():
+    assert kvkernels.ops.CUDA_IMPL["gemv_inner_q"] == "cuda"
+    assert kvkernels.ops.CUDA_IMPL["gemv_kivi"] == "cuda"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_inner_q_bits_modes_dtypes(bits, mode, dtype):
+    _inner_q_case(
+        B=1,
+        H_q=4,
+        H_kv=2,
+        T=None,
+        M=37,
+        L=256,
+        bits=bits,
+        G=32,
+        mode=mode,
+        dtype=dtype,
+        x_scale=False,
+        narrow=False,
+        seed=bits,
+    )
+
+
+# keys: M = tokens (odd, 1, 1000+), L = head_dim; values: M = head_dim, L = tokens at group edges (G, 1024 + G,
+# a multiple of 128 for the vector path, long enough for split-K)
+INNER_Q_SHAPES = {
+    "keys-D64-M1-gqa1": (1, 8, 8, 1, 64),
+    "keys-D128-M37-gqa4": (1, 16, 4, 37, 128),
+    "keys-D256-M1031-gqa8-B2": (2, 8, 1, 1031, 256),
+    "keys-D128-M4097-gqa8": (1, 16, 2, 4097, 128),
+    "values-D64-L32-gqa4": (1, 4, 1, 64, 32),
+    "values-D128-L1056-gqa1-B2": (2, 4, 4, 128, 1056),
+    "values-D256-L4096-gqa8": (1, 8, 1, 256, 4096),
+    "values-D128-L20000-gqa4": (1, 8, 2, 128, 20000),
+}
+
+
+@pytest.mark.parametrize("T", [None, 1, 3, 16], ids=lambda t: "T-none" if t is None else f"T{t}")
+@pytest.mark.parametrize("shape", INNER_Q_SHAPES.values(), ids=INNER_Q_SHAPES.keys())
+@pytest.mark.parametrize("bits", (1, 2, 3, 4), ids=lambda b: f"b{b}")
+def test_inner_q_shapes(shape, T, bits):
+    B, H_q, H_kv, M, L = shape
+    G = 32 if L % 64 else 64
+    if L > 10000 and T == 16:
+        pytest.skip("large split-K case covered at T <= 3")
+    _inner_q_case(B, H_q, H_kv, T, M, L, bits, G, "hybrid", torch.float16, x_scale=False, narrow=False, seed=M + L)
+
+
+@pytest.mark.parametrize("T", [None, 3], ids=lambda t: "T-none" if t is None else f"T{t}")
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned-codes"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["contig", "narrowed"])
+@pytest.mark.parametrize("x_scale", [False, True], ids=["no-xscale", "xscale"])
+@pytest.mark.parametrize("bits", (1, 3, 4), ids=lambda b: f"b{b}")
+def test_inner_q_views_and_xscale(bits, x_scale, narrow, misalign, T):
+    for shape in ((1, 8, 2, 333, 128), (1, 8, 2, 128, 2048)):  # keys-like, values-like (split-K)
+        B, H_q, H_kv, M, L = shape
+        _inner_q_case(B, H_q, H_kv, T, M, L, bits, 64, "asym", torch.bfloat16, x_scale, narrow, misalign, seed=M)
+
+
+def test_inner_q_gqa_sixteen_heads_and_long_T():
+    # H_q / H_kv = 16 and T = 20 > 16: query tiles loop in-block and T chunks loop in the launcher
+    _inner_q_case(1, 32, 2, 20, 100, 128, 2, 32, "sym", torch.float32, x_scale=True, narrow=True)
+
+
+def test_inner_q_deterministic():
+    codes, scales, zeros = _quantized(1, 2, 128, 8192, 2, 32, "asym", 0)
+    x = torch.randn((1, 8, 8192), generator=_gen(1)).to(DEV)
+    cc, sc, zc = _to_cuda(codes, scales, zeros)
+    y1 = torch.ops.kvkernels.gemv_inner_q(x, cc, sc, zc, 2, 32, "asym")
+    y2 = torch.ops.kvkernels.gemv_inner_q(x, cc, sc, zc, 2, 32, "asym")
+    assert torch.equal(y1, y2)
+
+
+def test_inner_q_errors():
+    codes, scales, zeros = _to_cuda(*_quantized(1, 1, 8, 64, 2, 32, "asym", 0))
+    x = torch.randn((1, 2, 64), device=DEV)
+    with pytest.raises(TypeError, match="x must be"):
+        torch.ops.kvkernels.gemv_inner_q(x.double(), codes, scales, zeros, 2, 32, "asym")
+    with pytest.raises(ValueError, match="zeros is required"):
+        torch.ops.kvkernels.gemv_inner_q(x, codes, scales, None, 2, 32, "asym")
+    with pytest.raises(ValueError, match="codes must hold"):
+        torch.ops.kvkernels.gemv_inner_q(x, codes, scales, zeros, 3, 32, "asym")
+    with pytest.raises(ValueError, match="mode"):
+        torch.ops.kvkernels.gemv_inner_q(x, codes, scales, zeros, 2, 32, "nope")
+
+
+def test_inner_q_cuda_graph():
+    B, H_q, H_kv, M, L = 1, 8, 2, 128, 4096  # values-like: split-K, so the workspace is allocated in the graph
+    codes, scales, zeros = _quantized(B, H_kv, M, L, 2, 32, "hybrid", 3)
+    cc, sc, zc = _to_cuda(codes, scales, zeros)
+    x_static = torch.randn((B, H_q, L), device=DEV, dtype=torch.float16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            torch.ops.kvkernels.gemv_inner_q(x_static, cc, sc, zc, 2, 32, "hybrid")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = torch.ops.kvkernels.gemv_inner_q(x_static, cc, sc, zc, 2, 32, "hybrid")
+    for seed in (10, 11):
+        x_new = torch.randn((B, H_q, L), generator=_gen(seed)).to(torch.float16)
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.gemv_inner_q(x_new, codes, scales, zeros, 2, 32, "hybrid")
+        eager = torch.ops.kvkernels.gemv_inner_q(x_new.to(DEV), cc, sc, zc, 2, 32, "hybrid")
+        assert torch.equal(y_static, eager)
+        w = reference.dequantize_groups(codes, scales, zeros, 2, 32, "hybrid")
+        mag = x_new.float().abs().unsqueeze(2) @ w.abs().repeat_interleave(H_q // H_kv, 1).transpose(-1, -2)
+        _assert_gemv_close(y_static, ref, mag.squeeze(2), torch.float16)
+
+
+# ---- gemv_kivi ------------------------------------------------------------------------------------------------
+
+
+def _kivi_case(B, H_q, H_kv, T, R, C, bits, G, dtype, narrow, misalign=False, seed=0):
+    codes, scales, zeros = _quantized(B, H_kv, R, C, bits, G, "asym", seed)
+    x_shape = (B, H_q, R) if T is None else (B, H_q, T, R)
+    x = torch.randn(x_shape, generator=_gen(seed + 1)).to(dtype)
+    ref = reference.gemv_kivi(x, codes, scales, zeros, bits, G)
+    w = reference.dequantize_groups(codes, scales, zeros, bits, G, "asym")
+    xa = x.float().abs() if T is not None else x.float().abs().unsqueeze(2)
+    mag = xa @ w.abs().repeat_interleave(H_q // H_kv, 1)
+    mag = mag if T is not None else mag.squeeze(2)
+    xc, cc, sc, zc = _to_cuda(x, codes, scales, zeros, narrow=narrow)
+    if misalign:
+        (cc,) = _to_cuda(codes, misalign=True)
+    y = torch.ops.kvkernels.gemv_kivi(xc, cc, sc, zc, bits, G)
+    _assert_gemv_close(y, ref, mag, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_kivi_bits_dtypes(bits, dtype):
+    _kivi_case(1, 4, 2, None, 37, 128, bits, 32, dtype, narrow=False, seed=bits)
+
+
+# values: R = tokens (long, split-K), C = head_dim; keys: R = head_dim, C = tokens (long, column tiles)
+KIVI_SHAPES = {
+    "values-D64-R1-gqa1": (1, 8, 8, 1, 64),
+    "values-D128-R1031-gqa4-B2": (2, 16, 4, 1031, 128),
+    "values-D256-R20000-gqa8": (1, 8, 1, 20000, 256),
+    "keys-D64-C32-gqa4": (1, 4, 1, 64, 32),
+    "keys-D128-C4128-gqa8": (1, 16, 2, 128, 4128),
+    "keys-D256-C1024-gqa1-B2": (2, 4, 4, 256, 1024),
+}
+
+
+@pytest.mark.parametrize("T", [None, 1, 3, 16], ids=lambda t: "T-none" if t is None else f"T{t}")
+@pytest.mark.parametrize("shape", KIVI_SHAPES.values(), ids=KIVI_SHAPES.keys())
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_kivi_shapes(shape, T, bits):
+    B, H_q, H_kv, R, C = shape
+    G = 32 if C % 64 else 64
+    if R > 10000 and T == 16:
+        pytest.skip("large split-K case covered at T <= 3")
+    _kivi_case(B, H_q, H_kv, T, R, C, bits, G, torch.float16, narrow=False, seed=R + C)
+
+
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned-codes"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["contig", "narrowed"])
+@pytest.mark.parametrize("T", [None, 3], ids=lambda t: "T-none" if t is None else f"T{t}")
+@pytest.mark.parametrize("bits", (2, 3, 4), ids=lambda b: f"b{b}")
+def test_kivi_views(bits, T, narrow, misalign):
+    for B, H_q, H_kv, R, C in ((1, 8, 2, 2048, 128), (1, 8, 2, 128, 640)):
+        _kivi_case(B, H_q, H_kv, T, R, C, bits, 32, torch.bfloat16, narrow, misalign, seed=R)
+
+
+def test_kivi_deterministic():
+    codes, scales, zeros = _to_cuda(*_quantized(1, 2, 8192, 128, 2, 32, "asym", 0))
+    x = torch.randn((1, 8, 8192), device=DEV)
+    assert torch.equal(
+        torch.ops.kvkernels.gemv_kivi(x, codes, scales, zeros, 2, 32),
+        torch.ops.kvkernels.gemv_kivi(x, codes, scales, zeros, 2, 32),
+    )
+
+
+# ---- storage ops: bit-exact vs the C++ CPU ops ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("G", (32, 64, 128), ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(
+    "mode_eta",
+    [("sym", 0.0), ("asym", 0.0), ("asym", 0.25), ("hybrid", 0.0)],
+    ids=["sym", "asym", "asym-eta0.25", "hybrid"],
+)
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_quantize_into_matches_cpu_bit_exact(bits, mode_eta, dtype, G):
+    mode, eta = mode_eta
+    B, H, T_max, t0, T, L = 2, 3, 40, 5, 17, 4 * G
+    x = (torch.randn((B, H, T, L), generator=_gen(bits)) * 3).to(dtype)
+    x[..., : G // 2] += 2.0  # some positive-skewed groups
+    c_cpu, s_cpu, z_cpu = torch.ops.kvkernels.quantize_groups(x, bits, G, mode, eta)
+    # write into narrowed views of a preallocated cache; everything outside the view must stay untouched
+    codes_buf = torch.full((B, H, T_max, L // 32 * bits + 3), -7, dtype=torch.int32, device=DEV)
+    scales_buf = torch.full((B, H, T_max, L // G + 1), 9.0, dtype=torch.float16, device=DEV)
+    zeros_buf = torch.full((B, H, T_max, L // G + 2), 9.0, dtype=torch.float16, device=DEV)
+    codes_v = codes_buf[:, :, t0 : t0 + T, : L // 32 * bits]
+    scales_v = scales_buf[:, :, t0 : t0 + T, : L // G]
+    zeros_v = zeros_buf[:, :, t0 : t0 + T, 1 : 1 + L // G]
+    # expected buffers: the old contents with exactly the viewed elements replaced by the CPU op's results
+    expected = []
+    for buf, view, want in zip(
+        (codes_buf, scales_buf, zeros_buf), (codes_v, scales_v, zeros_v), (c_cpu, s_cpu, z_cpu), strict=True
+    ):
+        exp = buf.cpu().clone()
+        exp.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(want)
+        expected.append(exp)
+    torch.ops.kvkernels.quantize_groups_into(x.to(DEV), bits, G, mode, eta, codes_v, scales_v, zeros_v)
+    assert torch.equal(codes_buf.cpu(), expected[0])
+    assert torch.equal(scales_buf.cpu().view(torch.int16), expected[1].view(torch.int16))
+    assert torch.equal(zeros_buf.cpu().view(torch.int16), expected[2].view(torch.int16))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_quantize_groups_out_of_place_matches_cpu(bits, mode):
+    x = torch.randn((3, 5, 7, 256), generator=_gen(bits))[:, ::2]  # non-contiguous leading dims
+    cpu = torch.ops.kvkernels.quantize_groups(x, bits, 64, mode, 0.0)
+    gpu = torch.ops.kvkernels.quantize_groups(x.to(DEV), bits, 64, mode, 0.0)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(
+            a.view(torch.int16) if a.dtype == torch.float16 else a,
+            b.cpu().view(torch.int16) if b.dtype == torch.float16 else b.cpu(),
+        )
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["contig", "narrowed"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_dequantize_matches_cpu_bit_exact(bits, mode, narrow):
+    codes, scales, zeros = _quantized(2, 3, 33, 256, bits, 64, mode, bits)
+    want = torch.ops.kvkernels.dequantize_groups(codes, scales, zeros, bits, 64, mode)
+    cc, sc, zc = _to_cuda(codes, scales, zeros, narrow=narrow)
+    got = torch.ops.kvkernels.dequantize_groups(cc, sc, zc, bits, 64, mode)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want, reference.dequantize_groups(codes, scales, zeros, bits, 64, mode))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8], ids=["i64", "i32", "u8"])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_pack_unpack_match_cpu(bits, dtype):
+    codes = torch.randint(0, 2**bits, (3, 7, 96), generator=_gen(bits)).to(dtype)
+    packed_cpu = torch.ops.kvkernels.pack_bits(codes, bits)
+    packed_gpu = torch.ops.kvkernels.pack_bits(codes.to(DEV), bits)
+    assert torch.equal(packed_gpu.cpu(), packed_cpu)
+    assert torch.equal(torch.ops.kvkernels.unpack_bits(packed_gpu, bits).cpu(), codes.to(torch.uint8))
+    assert torch.equal(
+        torch.ops.kvkernels.unpack_bits(packed_gpu, bits).cpu(), torch.ops.kvkernels.unpack_bits(packed_cpu, bits)
+    )
+
+
+# ---- opcheck ----------------------------------------------------------------------------------------------------
+
+
+def _opcheck_cases():
+    codes, scales, zeros = _to_cuda(*_quantized(1, 2, 16, 128, 2, 32, "hybrid", 0))
+    x = torch.randn((1, 4, 128), device=DEV, dtype=torch.float16)
+    x_scale = torch.rand((2, 128), device=DEV) + 0.5
+    xk = torch.randn((1, 4, 3, 16), device=DEV)
+    kc, ks, kz = _to_cuda(*_quantized(1, 2, 16, 128, 2, 32, "asym", 1))
+    xq = torch.randn((2, 3, 128), device=DEV)
+    qc = torch.empty((2, 3, 8), dtype=torch.int32, device=DEV)
+    qs = torch.empty((2, 3, 4), dtype=torch.float16, device=DEV)
+    qz = torch.empty((2, 3, 4), dtype=torch.float16, device=DEV)
+    return {
+        "gemv_inner_q": (torch.ops.kvkernels.gemv_inner_q.default, (x, codes, scales, zeros, 2, 32, "hybrid", x_scale)),
+        "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (xk, kc, ks, kz, 2, 32)),
+        "quantize_groups": (torch.ops.kvkernels.quantize_groups.default, (xq, 2, 32, "asym", 0.0)),
+        "quantize_groups_into": (
+            torch.ops.kvkernels.quantize_groups_into.default,
+            (xq, 2, 32, "hybrid", 0.0, qc, qs, qz),
+        ),
+        "dequantize_groups": (torch.ops.kvkernels.dequantize_groups.default, (codes, scales, zeros, 2, 32, "hybrid")),
+        "pack_bits": (
+            torch.ops.kvkernels.pack_bits.default,
+            (torch.randint(0, 4, (3, 64), device=DEV, dtype=torch.int32), 2),
+        ),
+        "unpack_bits": (torch.ops.kvkernels.unpack_bits.default, (codes, 2)),
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gemv_inner_q",
+        "gemv_kivi",
+        "quantize_groups",
+        "quantize_groups_into",
+        "dequantize_groups",
+        "pack_bits",
+        "unpack_bits",
+    ],
+)
+def test_opcheck_cuda(name):
+    op, args = _opcheck_cases()[name]
+    torch.library.opcheck(op, args)
