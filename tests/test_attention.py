@@ -13,15 +13,6 @@ from kvkernels.cache import InnerQLayerCache, KIVILayerCache
 from kvkernels.formats import PRESETS, InnerQConfig, KIVIConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_cache(config, B, H_kv, D, dtype=torch.float32, device="cpu", capacity=64):
     cls = InnerQLayerCache if isinstance(config, InnerQConfig) else KIVILayerCache
     return cls(config, B, H_kv, D, capacity=capacity, device=device, dtype=dtype)

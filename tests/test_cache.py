@@ -12,15 +12,6 @@ SMALL_INNERQ = InnerQConfig(key_bits=3, value_bits=2, value_mode="hybrid", w_sin
 SMALL_KIVI = KIVIConfig(bits=2, residual=8, w_sink=4, eta=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # these tensors are tiny; intra-op threads only add contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_cache(config, B=1, H=2, D=64, capacity=64, dtype=torch.float32, device="cpu", **kw):
     cls = InnerQLayerCache if isinstance(config, InnerQConfig) else KIVILayerCache
     return cls(config, B, H, D, capacity=capacity, device=device, dtype=dtype, **kw)

@@ -10,15 +10,6 @@ from kvkernels.formats import InnerQConfig
 from kvkernels.keynorm import KEY_NORM_EPS, check_rope_paired, compute_key_norm, fold_key_norm_into_attention
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def outlier_keys(B=2, H=2, N=300, D=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(B, H, N, D, generator=g)

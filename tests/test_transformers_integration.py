@@ -47,15 +47,6 @@ EXACT_ATOL = 1e-4  # same math up to fp32 summation order
 PATH_ATOL = 1e-5  # fused vs dequantize-then-SDPA over identical cache contents
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the model is tiny; intra-op threads only add contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
