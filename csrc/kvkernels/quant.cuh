@@ -58,6 +58,9 @@ KVK_HD float half_bits_to_float(uint16_t h) {
 
 // Round-to-nearest-even fp32 -> fp16 bits (the rounding torch's .half() and __float2half_rn use).
 KVK_HD uint16_t float_to_half_bits(float f) {
+  // Every NaN becomes the one quiet NaN 0x7e00 on both paths: GPU arithmetic and cvt produce canonical NaNs (0x7fff)
+  // where x86 keeps sign and payload, so a NaN group's scale/zero bits would otherwise differ CUDA vs CPU op.
+  if (f != f) return 0x7e00u;
 #if defined(__CUDA_ARCH__)
   return __half_as_ushort(__float2half_rn(f));
 #else
