@@ -1,0 +1,261 @@
+// Runs the real CUDA launchers (csrc/cuda/*.cu, compiled for the host through emu.h) on random data and checks
+// every output against a double-precision dequantize-then-matmul reference written out here, independently of
+// the kernels. Modes: `iq` (gemv_inner_q), `kivi` (gemv_kivi), `q` (quantize_groups_into), `all` (the three, the
+// CI set), `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count; minutes, manual).
+// Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K`; exits 1 on a failure.
+#include "emu.h"
+#include "cuda/kernels.h"
+#include "kvkernels/packing.cuh"
+#include <random>
+#include <cassert>
+using namespace kvk;
+extern "C" cudaError_t cudaGetLastError(void) { cudaError_t e = kvk_emu::last_err; kvk_emu::last_err = cudaSuccess; return e; }
+
+static std::mt19937_64 rng(1234);
+static float frand() { return std::uniform_real_distribution<float>(-1.f, 1.f)(rng); }
+static uint16_t hbits(float f) { return float_to_half_bits(f); }
+
+template <class T> struct Buf {  // exactly sized heap buffer (ASan catches overruns)
+  T* p = nullptr; size_t n = 0;
+  explicit Buf(size_t n_) : n(n_) { p = static_cast<T*>(std::aligned_alloc(16, std::max<size_t>(16, (n * sizeof(T) + 15) / 16 * 16))); }
+  ~Buf() { std::free(p); }
+};
+
+struct Res { long cases = 0, fails = 0; };
+static Res res;
+
+// x dtype conversion
+static void store_x(void* base, XDtype dt, int64_t i, float v, float& exact) {
+  if (dt == XDtype::kF16) { __half h = __float2half_rn(v); static_cast<__half*>(base)[i] = h; exact = __half2float(h); }
+  else if (dt == XDtype::kBF16) { __nv_bfloat16 h = __float2bfloat16_rn(v); static_cast<__nv_bfloat16*>(base)[i] = h; exact = __bfloat162float(h); }
+  else { static_cast<float*>(base)[i] = v; exact = v; }
+}
+static size_t xsize(XDtype dt) { return dt == XDtype::kF32 ? 4 : 2; }
+
+void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t M, int64_t L, int bits, int G,
+                  QuantMode mode, XDtype dt, bool xscale, int cpad, int coff, int xpad, int num_sms, bool null_zeros) {
+  const int64_t W = L * bits / 32, NG = L / G;
+  // codes [B,H_kv,M, W+cpad] starting at coff; scales/zeros [B,H_kv,M,NG+3] at 1
+  const int64_t c_sm = W + cpad, c_sh = M * c_sm, c_sb = H_kv * c_sh;
+  Buf<uint32_t> codes(B * c_sb + coff);
+  for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
+  const int64_t s_sm = NG + 3, s_sh = M * s_sm, s_sb = H_kv * s_sh;
+  Buf<uint16_t> sc(B * s_sb + 1), ze(B * s_sb + 2);
+  for (size_t i = 0; i < sc.n; ++i) {
+    float s = std::fabs(frand()) * 0.1f;
+    uint16_t b = hbits(s);
+    if (mode == QuantMode::kHybrid && (rng() & 1)) b |= 0x8000;
+    if (rng() % 17 == 0) b = (mode == QuantMode::kHybrid) ? 0x8000 : 0;  // -0.0 / 0
+    sc.p[i] = b;
+  }
+  for (size_t i = 0; i < ze.n; ++i) ze.p[i] = hbits(frand());
+  const int64_t x_st = L + xpad, x_sh = T * x_st + 5, x_sb = H_q * x_sh + 3;
+  std::vector<char> xbuf_v((B * x_sb + 7) * xsize(dt) + 64);
+  void* xb = xbuf_v.data();
+  std::vector<float> xe(B * x_sb + 7, 0.f);
+  for (int64_t i = 0; i < B * x_sb + 7; ++i) store_x(xb, dt, i, frand(), xe[i]);
+  const int64_t xs_sh = L + 4;
+  Buf<float> xsc(H_kv * xs_sh);
+  for (size_t i = 0; i < xsc.n; ++i) xsc.p[i] = 0.5f + std::fabs(frand());
+  Buf<float> y(B * H_q * T * M);
+  for (size_t i = 0; i < y.n; ++i) y.p[i] = NAN;
+
+  GemvInnerQParams p{};
+  p.x = xb; p.codes = codes.p + coff; p.scales = sc.p + 1; p.zeros = null_zeros ? nullptr : ze.p + 2;
+  p.x_scale = xscale ? xsc.p : nullptr; p.y = y.p;
+  p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.M = M; p.L = L; p.bits = bits; p.group_size = G; p.mode = mode;
+  p.x_dtype = dt; p.num_sms = num_sms;
+  p.x_sb = x_sb; p.x_sh = x_sh; p.x_st = has_t ? x_st : 0;
+  p.c_sb = c_sb; p.c_sh = c_sh; p.c_sm = c_sm;
+  p.s_sb = s_sb; p.s_sh = s_sh; p.s_sm = s_sm;
+  p.z_sb = s_sb; p.z_sh = s_sh; p.z_sm = s_sm;
+  p.xs_sh = xs_sh;
+  p.y_sb = H_q * T * M; p.y_sh = T * M; p.y_st = has_t ? M : 0;
+  int64_t wsf = gemv_inner_q_workspace_floats(p);
+  std::unique_ptr<Buf<float>> ws;
+  if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
+  cudaError_t e = launch_gemv_inner_q(p, nullptr);
+  res.cases++;
+  if (e != cudaSuccess) { printf("inner_q launch error %d: %s\n", (int)e, last_launch_error()); res.fails++; return; }
+  // reference
+  const int64_t gq = H_q / H_kv;
+  double maxex = 0; int64_t bad = 0;
+  for (int64_t b = 0; b < B; ++b) for (int64_t h = 0; h < H_q; ++h) for (int64_t t = 0; t < T; ++t) for (int64_t m = 0; m < M; ++m) {
+    const int64_t hk = h / gq;
+    double acc = 0, mag = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const uint32_t* blk = p.codes + b * c_sb + hk * c_sh + m * c_sm + (l / 32) * bits;
+      uint32_t u = unpack_one_rt(blk, l % 32, bits);
+      int64_t g = l / G;
+      uint16_t sb = p.scales[b * s_sb + hk * s_sh + m * s_sm + g];
+      uint16_t zb = (mode == QuantMode::kSym) ? 0 : p.zeros[b * s_sb + hk * s_sh + m * s_sm + g];
+      GroupAffine a = group_affine_rt(mode, bits, sb, zb);
+      double w = (double)a.s * u + a.zeff;
+      double xv = xe[b * x_sb + h * x_sh + (has_t ? t * x_st : 0) + l];
+      if (xscale) xv *= xsc.p[hk * xs_sh + l];
+      acc += xv * w; mag += std::fabs(xv * w);
+    }
+    double got = y.p[b * p.y_sb + h * p.y_sh + t * M + m];
+    double ex = std::fabs(got - acc) - (1e-5 * mag + 1e-6);
+    if (!(ex <= 0)) { if (bad < 3) printf("  mismatch b%ld h%ld t%ld m%ld got %g want %g\n", b, h, t, m, got, acc); bad++; }
+    maxex = std::max(maxex, ex);
+  }
+  if (bad) res.fails++;
+  printf("inner_q B%ld Hq%ld Hkv%ld T%ld%s M%ld L%ld b%d G%d mode%d dt%d xs%d cpad%d coff%d sms%d : %s (bad %ld)\n", B, H_q, H_kv, T,
+         has_t ? "" : "(3d)", M, L, bits, G, (int)mode, (int)dt, xscale, cpad, coff, num_sms, bad ? "FAIL" : "ok", bad);
+}
+
+void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t R, int64_t C, int bits, int G,
+               XDtype dt, int cpad, int coff, int num_sms) {
+  const int64_t W = C * bits / 32, NG = C / G;
+  const int64_t c_sr = W + cpad, c_sh = R * c_sr, c_sb = H_kv * c_sh;
+  Buf<uint32_t> codes(B * c_sb + coff);
+  for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
+  const int64_t s_sr = NG + 3, s_sh = R * s_sr, s_sb = H_kv * s_sh;
+  Buf<uint16_t> sc(B * s_sb + 1), ze(B * s_sb + 2);
+  for (size_t i = 0; i < sc.n; ++i) sc.p[i] = hbits(std::fabs(frand()) * 0.1f);
+  for (size_t i = 0; i < ze.n; ++i) ze.p[i] = hbits(frand());
+  const int64_t x_st = R + 2, x_sh = T * x_st + 5, x_sb = H_q * x_sh + 3;
+  std::vector<char> xbuf_v((B * x_sb + 7) * xsize(dt) + 64);
+  void* xb = xbuf_v.data();
+  std::vector<float> xe(B * x_sb + 7, 0.f);
+  for (int64_t i = 0; i < B * x_sb + 7; ++i) store_x(xb, dt, i, frand(), xe[i]);
+  Buf<float> y(B * H_q * T * C);
+  for (size_t i = 0; i < y.n; ++i) y.p[i] = NAN;
+  GemvKiviParams p{};
+  p.x = xb; p.codes = codes.p + coff; p.scales = sc.p + 1; p.zeros = ze.p + 2; p.y = y.p;
+  p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.R = R; p.C = C; p.bits = bits; p.group_size = G; p.x_dtype = dt;
+  p.num_sms = num_sms;
+  p.x_sb = x_sb; p.x_sh = x_sh; p.x_st = has_t ? x_st : 0;
+  p.c_sb = c_sb; p.c_sh = c_sh; p.c_sr = c_sr;
+  p.s_sb = s_sb; p.s_sh = s_sh; p.s_sr = s_sr;
+  p.z_sb = s_sb; p.z_sh = s_sh; p.z_sr = s_sr;
+  p.y_sb = H_q * T * C; p.y_sh = T * C; p.y_st = has_t ? C : 0;
+  int64_t wsf = gemv_kivi_workspace_floats(p);
+  std::unique_ptr<Buf<float>> ws;
+  if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
+  cudaError_t e = launch_gemv_kivi(p, nullptr);
+  res.cases++;
+  if (e != cudaSuccess) { printf("kivi launch error %d: %s\n", (int)e, last_launch_error()); res.fails++; return; }
+  const int64_t gq = H_q / H_kv;
+  int64_t bad = 0;
+  for (int64_t b = 0; b < B; ++b) for (int64_t h = 0; h < H_q; ++h) for (int64_t t = 0; t < T; ++t) for (int64_t c = 0; c < C; ++c) {
+    const int64_t hk = h / gq;
+    double acc = 0, mag = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const uint32_t* blk = p.codes + b * c_sb + hk * c_sh + r * c_sr + (c / 32) * bits;
+      uint32_t u = unpack_one_rt(blk, c % 32, bits);
+      int64_t g = c / G;
+      GroupAffine a = group_affine_rt(QuantMode::kAsym, bits, p.scales[b * s_sb + hk * s_sh + r * s_sr + g],
+                                      p.zeros[b * s_sb + hk * s_sh + r * s_sr + g]);
+      double w = (double)a.s * u + a.zeff;
+      double xv = xe[b * x_sb + h * x_sh + (has_t ? t * x_st : 0) + r];
+      acc += xv * w; mag += std::fabs(xv * w);
+    }
+    double got = y.p[b * p.y_sb + h * p.y_sh + t * C + c];
+    double ex = std::fabs(got - acc) - (1e-5 * mag + 1e-6);
+    if (!(ex <= 0)) { if (bad < 3) printf("  mismatch b%ld h%ld t%ld c%ld got %g want %g\n", b, h, t, c, got, acc); bad++; }
+  }
+  if (bad) res.fails++;
+  printf("kivi B%ld Hq%ld Hkv%ld T%ld%s R%ld C%ld b%d G%d dt%d cpad%d coff%d sms%d : %s (bad %ld)\n", B, H_q, H_kv, T,
+         has_t ? "" : "(3d)", R, C, bits, G, (int)dt, cpad, coff, num_sms, bad ? "FAIL" : "ok", bad);
+}
+
+void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, QuantMode mode, float eta, XDtype dt) {
+  // x contiguous [d0,d1,d2,L]; outputs narrowed views of [d0, d1, d2+3, W+2] at row offset 1 (dims 0,1 mergeable)
+  const int64_t W = L * bits / 32, NG = L / G, rows = d0 * d1 * d2;
+  std::vector<char> xb_v(rows * L * xsize(dt) + 16);
+  std::vector<float> xe(rows * L);
+  for (int64_t i = 0; i < rows * L; ++i) store_x(xb_v.data(), dt, i, frand() * 3 + ((i % L) < G / 2 ? 2.f : 0.f), xe[i]);
+  const int64_t cS = W + 2, sS = NG + 1;
+  Buf<uint32_t> cb(d0 * d1 * (d2 + 3) * cS);
+  Buf<uint16_t> sb(d0 * d1 * (d2 + 3) * sS), zb(d0 * d1 * (d2 + 3) * sS);
+  std::fill(cb.p, cb.p + cb.n, 0xdeadbeefu); std::fill(sb.p, sb.p + sb.n, 0x1234); std::fill(zb.p, zb.p + zb.n, 0x4321);
+  QuantizeParams p{};
+  p.x = xb_v.data(); p.x_rows = {1, {rows}, {L}};
+  auto lay = [&](int64_t S) { RowLayout r{}; r.ndim = 2; r.size[0] = d0 * d1; r.size[1] = d2; r.stride[0] = (d2 + 3) * S; r.stride[1] = S; return r; };
+  p.codes = cb.p + 1 * cS; p.scales = sb.p + 1 * sS; p.zeros = zb.p + 1 * sS;
+  p.c_rows = lay(cS); p.s_rows = lay(sS); p.z_rows = lay(sS);
+  p.rows = rows; p.L = L; p.bits = bits; p.group_size = G; p.mode = mode; p.eta = eta; p.x_dtype = dt;
+  cudaError_t e = launch_quantize_groups_into(p, nullptr);
+  res.cases++;
+  if (e != cudaSuccess) { printf("quant launch error %s\n", last_launch_error()); res.fails++; return; }
+  int64_t bad = 0;
+  std::vector<uint32_t> gc(G), scr(G);
+  for (int64_t r = 0; r < rows; ++r) for (int64_t g = 0; g < NG; ++g) {
+    GroupQuant q = mode == QuantMode::kSym ? quantize_group_sym(&xe[r * L + g * G], G, bits, gc.data())
+                 : mode == QuantMode::kAsym ? quantize_group_asym(&xe[r * L + g * G], G, bits, eta, gc.data())
+                 : quantize_group_hybrid(&xe[r * L + g * G], G, bits, gc.data(), scr.data());
+    const int64_t i0 = r / d2, i1 = r % d2;
+    const int64_t crow = i0 * (d2 + 3) * cS + (i1 + 1) * cS, srow = i0 * (d2 + 3) * sS + (i1 + 1) * sS;
+    if (sb.p[srow + g] != q.scale_bits || zb.p[srow + g] != q.zero_bits) bad++;
+    for (int blk = 0; blk < G / 32; ++blk) { uint32_t w[4]; pack_block_rt(gc.data() + blk * 32, w, bits);
+      for (int i = 0; i < bits; ++i) if (cb.p[crow + (g * (G / 32) + blk) * bits + i] != w[i]) bad++; }
+  }
+  // untouched elsewhere
+  int64_t touched = 0;
+  for (int64_t i0 = 0; i0 < d0 * d1; ++i0) for (int64_t j = 0; j < d2 + 3; ++j) {
+    bool in = j >= 1 && j < 1 + d2;
+    for (int64_t w = 0; w < cS; ++w) if ((!in || w >= W) && cb.p[(i0 * (d2 + 3) + j) * cS + w] != 0xdeadbeefu) touched++;
+    for (int64_t w = 0; w < sS; ++w) if ((!in || w >= NG) && (sb.p[(i0 * (d2 + 3) + j) * sS + w] != 0x1234 || zb.p[(i0 * (d2 + 3) + j) * sS + w] != 0x4321)) touched++;
+  }
+  if (bad || touched) res.fails++;
+  printf("quant %ldx%ldx%ldx%ld b%d G%d mode%d eta%g dt%d : %s (bad %ld, touched %ld)\n", d0, d1, d2, L, bits, G, (int)mode, eta, (int)dt,
+         (bad || touched) ? "FAIL" : "ok", bad, touched);
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::string which = argc > 1 ? argv[1] : "all";
+  if (which == "iq" || which == "all") {
+    for (int bits = 1; bits <= 4; ++bits)
+      for (int mode = 0; mode < 3; ++mode)
+        inner_q_case(1, 4, 2, 1, false, 37, 256, bits, 32, (QuantMode)mode, (XDtype)(bits % 3), bits & 1, 0, 0, 0, 8, mode == 0 && bits % 2);
+    // split-K (values-like), narrowed/misaligned, T chunks
+    inner_q_case(1, 8, 2, 3, true, 8, 2048, 3, 64, QuantMode::kAsym, XDtype::kBF16, true, 8, 0, 4, 16, false);
+    inner_q_case(1, 8, 2, 3, true, 8, 2048, 3, 64, QuantMode::kAsym, XDtype::kBF16, true, 5, 1, 4, 16, false);
+    inner_q_case(2, 4, 4, 1, false, 5, 1056, 2, 32, QuantMode::kHybrid, XDtype::kF16, false, 0, 0, 0, 16, false);
+    inner_q_case(1, 32, 2, 20, true, 9, 128, 2, 32, QuantMode::kSym, XDtype::kF32, true, 8, 0, 0, 4, false);
+    inner_q_case(1, 4, 1, 3, true, 3, 4032, 1, 96, QuantMode::kHybrid, XDtype::kF16, false, 4, 0, 0, 32, false);
+    inner_q_case(1, 2, 1, 2, true, 70, 384, 4, 384, QuantMode::kAsym, XDtype::kF32, false, 0, 0, 0, 8, false);
+    inner_q_case(1, 2, 1, 1, true, 3, 8192, 3, 2048, QuantMode::kHybrid, XDtype::kF32, false, 0, 0, 0, 64, false);
+  }
+  if (which == "kivi" || which == "all") {
+    for (int bits = 1; bits <= 4; ++bits) kivi_case(1, 4, 2, 1, false, 37, 128, bits, 32, (XDtype)(bits % 3), 0, 0, 8);
+    for (int bits = 1; bits <= 4; ++bits) {
+      kivi_case(1, 8, 2, 3, true, 600, 128, bits, 32, XDtype::kBF16, 4, 0, 8);   // qt 8? gq*T = 12 -> 8
+      kivi_case(1, 8, 2, 3, true, 64, 640, bits, 32, XDtype::kF16, 5, 1, 8);
+      kivi_case(1, 4, 2, 1, true, 100, 96, bits, 96, XDtype::kF32, 0, 0, 4);     // qt 2, cw 32
+      kivi_case(1, 8, 2, 1, true, 50, 64, bits, 64, XDtype::kF32, 0, 0, 4);       // qt 4, cw 16
+    }
+    kivi_case(1, 16, 1, 20, true, 40, 64, 3, 32, XDtype::kF32, 2, 0, 4);
+    kivi_case(2, 4, 4, 1, false, 3000, 64, 2, 64, XDtype::kF16, 0, 0, 16);
+  }
+  if (which == "q" || which == "all") {
+    for (int bits = 1; bits <= 4; ++bits)
+      for (int mode = 0; mode < 3; ++mode)
+        quant_case(2, 3, 4, 128, bits, bits == 3 ? 64 : 32, (QuantMode)mode, 0.f, (XDtype)(mode));
+    quant_case(1, 2, 3, 256, 1, 256, QuantMode::kAsym, 0.25f, XDtype::kF16);
+    quant_case(1, 1, 2, 2048, 3, 1024, QuantMode::kHybrid, 0.f, XDtype::kBF16);
+  }
+  if (which == "tests") {
+    int sms = argc > 2 ? atoi(argv[2]) : 132;
+    struct S { int64_t B, Hq, Hkv, M, L; };
+    S iq[] = {{1,8,8,1,64},{1,16,4,37,128},{2,8,1,1031,256},{1,16,2,4097,128},{1,4,1,64,32},{2,4,4,128,1056},{1,8,1,256,4096},{1,8,2,128,20000}};
+    if (getenv("SKIP_IQ") == nullptr) for (auto s : iq) for (int T : {0, 3, 16}) for (int bits : {1, 3, 4}) {
+      if (s.L > 10000 && T == 16) continue;
+      if (T == 16 && bits != 3) continue;
+      int G = s.L % 64 ? 32 : 64;
+      inner_q_case(s.B, s.Hq, s.Hkv, T ? T : 1, T != 0, s.M, s.L, bits, G, QuantMode::kHybrid, XDtype::kF16, false, (bits==3)?8:0, 0, 0, sms, false);
+    }
+    S kv[] = {{1,8,8,1,64},{2,16,4,1031,128},{1,8,1,20000,256},{1,4,1,64,32},{1,16,2,128,4128},{2,4,4,256,1024}};
+    for (auto s : kv) for (int T : {0, 3, 16}) for (int bits : {1, 2, 3, 4}) {
+      if (s.M > 10000 && T == 16) continue;
+      if (T == 16 && bits != 3) continue;
+      int G = s.L % 64 ? 32 : 64;
+      kivi_case(s.B, s.Hq, s.Hkv, T ? T : 1, T != 0, s.M, s.L, bits, G, XDtype::kF16, bits==2?8:0, 0, sms);
+    }
+  }
+  printf("cases %ld fails %ld shuffles_after_exit %ld bad_mask %ld\n", res.cases, res.fails, kvk_emu::shuffles_after_exit.load(), kvk_emu::bad_mask.load());
+  return res.fails != 0;
+}
