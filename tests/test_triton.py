@@ -7,9 +7,6 @@ than a cartesian product; every case still names what it covers.
 
 import importlib
 import os
-import subprocess
-import sys
-import textwrap
 import zlib
 
 import pytest
@@ -28,6 +25,10 @@ DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 if INTERPRET or torch.cuda.is_available():
     import kvkernels.triton_kernels as tk
+    from kvkernels.triton_kernels._common import interpreter_problem
+
+    if DEVICE == "cpu" and interpreter_problem():  # .ci/run fails instead: CI must not lose these tests to a skip
+        pytestmark = pytest.mark.skip(reason=interpreter_problem())
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # |triton - reference| <= RTOL * sum_l |x_l| |w_l| + ATOL: x enters both exactly (same fp16/bf16 values cast to
@@ -308,57 +309,3 @@ def test_rejects_bad_arguments():
         tk.gemv_inner_q(torch.randn(1, 2, 64, device=DEVICE), c.to(DEVICE), s.to(DEVICE), None, 2, 32, "asym")
     with pytest.raises(ValueError, match="codes rows R"):
         tk.gemv_kivi(torch.randn(1, 2, 7, device=DEVICE), c.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 2, 32)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The interpreter accepts some programs the GPU compiler rejects: compile every kernel for sm_80 (no GPU needed)
-
-_COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import importlib, sys
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        target = GPUTarget("cuda", 80, 32)
-    except Exception as e:  # no NVIDIA backend in this triton build
-        print("SKIP", e); sys.exit(0)
-
-    def build(module, name, ptrs, constexprs, **opts):
-        fn = getattr(importlib.import_module("kvkernels.triton_kernels." + module), name)
-        sig = {a: "constexpr" if a in constexprs else ptrs.get(a, "i64" if a.startswith("s") else "i32")
-               for a in fn.arg_names}
-        const = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
-        try:
-            src = ASTSource(fn, sig, constexprs=const)
-        except (TypeError, KeyError, AttributeError) as e:  # ASTSource's arguments differ in this triton
-            print("SKIP", type(e).__name__, e); sys.exit(0)
-        triton.compile(src, target=target, options=opts)  # compile errors fail the test
-
-    f16, i32, i16, f32, b16 = "*fp16", "*i32", "*i16", "*fp32", "*bf16"
-    build("gemv_inner_q", "_gemv_inner_q_kernel",
-          dict(x_ptr=f16, codes_ptr=i32, scales_ptr=i16, zeros_ptr=f16, xs_ptr=f32, y_ptr=f32),
-          dict(BITS=3, GROUP=96, MODE=2, HAS_XS=True, QP=8, BLOCK_M=8, NB=4), num_warps=8)
-    build("gemv_kivi", "_gemv_kivi_kernel",
-          dict(x_ptr=b16, codes_ptr=i32, scales_ptr=f16, zeros_ptr=f16, y_ptr=f32),
-          dict(BITS=4, GROUP=128, QP=8, BLOCK_R=8, NCB=4), num_warps=8)
-    for mode in (0, 1, 2):
-        build("quantize", "_quantize_kernel",
-              dict(x_ptr=b16, codes_ptr=i32, scales_ptr=i16, zeros_ptr=f16, s_mul="fp32", eta="fp32"),
-              dict(BITS=3, GROUP=96, MODE=mode, BLOCK_ROWS=8, NBG=4), num_warps=4, enable_fp_fusion=False)
-    build("quantize", "_dequantize_kernel", dict(codes_ptr=i32, scales_ptr=i16, zeros_ptr=f16, out_ptr=f32),
-          dict(BITS=1, GROUP=64, MODE=2, BLOCK_ROWS=16, NBG=2), num_warps=4, enable_fp_fusion=False)
-    print("OK")
-    """
-)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the tests above compile every kernel for real")
-def test_kernels_compile_for_gpu():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions, not interpreted
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    if res.stdout.startswith("SKIP"):
-        pytest.skip(f"cannot compile for CUDA here: {res.stdout.strip()}")
-    assert res.stdout.strip().endswith("OK"), res.stdout[-2000:]

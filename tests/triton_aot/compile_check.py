@@ -1,0 +1,319 @@
+"""Compile every Triton kernel variant the wrappers launch, for real NVIDIA targets, on a machine without a GPU.
+
+CI runs the Triton kernels only through TRITON_INTERPRET=1, which executes the Python AST with numpy and never
+sees what the compiler rejects (type mismatches across loop iterations, unsupported casts, shapes that are not
+powers of two, a tile that needs more shared memory than the chip has) or what ptxas does with it (spills). This
+script closes that gap the way .ci/nvcc_check.sh does for csrc/cuda/:
+
+1. With TRITON_INTERPRET unset, it calls the public wrappers of kvkernels.triton_kernels on CPU tensors of decode
+   shapes (Llama-3.1-8B keys and values, GQA 1/4/8, q_len 1 and 16, every bit width, mode and dtype), with the
+   launch `kernel[grid](...)` replaced by a recorder, so the recorded launches are exactly what the wrappers
+   would launch on a GPU (tiles, num_warps, constexprs, pointer dtypes, int widths).
+2. Each distinct launch is lowered by triton.compile() through TTIR -> TTGIR -> LLVM -> PTX -> cubin for each
+   target in --targets (GPUTarget, no driver needed), with the JIT's own specialisations mimicked: ints equal
+   to 1 become constexprs, ints and pointers divisible by 16 get the divisibility hint.
+3. cuobjdump reads each cubin's resource usage: stack/local memory above SPILL_TOLERANCE_B (register spills) or
+   shared memory above the target's opt-in limit is an error.
+
+Usage: python tests/triton_aot/compile_check.py [--targets 80,90] [--jobs N] [--json FILE]
+Exit status 0 when every variant compiled for every target within those limits; prints one line per variant.
+"""
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # must precede the first import of triton: we want compiled kernels
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+# Max dynamic shared memory per block (opt-in), bytes: sm_80 A100 163 KiB, sm_87 Orin 163 KiB, sm_90 227 KiB.
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# Spills: the CUDA kernels must have none (.ci/nvcc_check.sh), since their register budget is ours to set. Triton
+# leaves the budget to ptxas, which on sm_80 sometimes caps a 256-thread kernel at 64 registers (full occupancy)
+# and parks a word or two on the stack. A few bytes of L1-resident stack is that trade-off; more than this means
+# a tile too large for the register file, which is a bug in the tile choice.
+SPILL_TOLERANCE_B = 16
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+PTR_TYPES = {
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int16: "*i16",
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. record the launches
+
+
+def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
+    import kvkernels.triton_kernels as tk
+    from kvkernels.triton_kernels import _common
+
+    # let check_device accept CPU tensors: nothing is launched, only recorded (and no interpreter to probe)
+    _common.INTERPRETED = True
+    _common.interpreter_problem = lambda: None
+    launches = []
+
+    def recorder(self, grid):
+        return lambda *args, **kwargs: launches.append((self, args, kwargs))
+
+    original = JITFunction.__getitem__
+    JITFunction.__getitem__ = recorder
+    try:
+        for call in representative_calls(tk):
+            call()
+    finally:
+        JITFunction.__getitem__ = original
+    return launches
+
+
+def representative_calls(tk):
+    """Wrapper calls covering every compiled specialisation a user can reach through the public ops."""
+    calls = []
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    modes = ("sym", "asym", "hybrid")
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype)
+
+    def gemv_inner_q(B, H_q, H_kv, T, M, L, bits, G, mode, dtype, xs=False):
+        x = z(B, H_q, T, L, dtype=dtype) if T else z(B, H_q, L, dtype=dtype)
+        codes = z(B, H_kv, M, L * bits // 32, dtype=torch.int32)
+        scales = z(B, H_kv, M, L // G, dtype=torch.float16)
+        zeros = None if mode == "sym" else torch.zeros_like(scales)
+        x_scale = z(H_kv, L) if xs else None
+        calls.append(lambda: tk.gemv_inner_q(x, codes, scales, zeros, bits, G, mode, x_scale))
+
+    def gemv_kivi(B, H_q, H_kv, T, R, C, bits, G, dtype):
+        x = z(B, H_q, T, R, dtype=dtype) if T else z(B, H_q, R, dtype=dtype)
+        codes = z(B, H_kv, R, C * bits // 32, dtype=torch.int32)
+        scales, zeros = z(B, H_kv, R, C // G, dtype=torch.float16), z(B, H_kv, R, C // G, dtype=torch.float16)
+        calls.append(lambda: tk.gemv_kivi(x, codes, scales, zeros, bits, G))
+
+    def quantize(shape, bits, G, mode, dtype, eta=0.0):
+        x = z(*shape, dtype=dtype)
+        calls.append(lambda: tk.quantize_groups(x, bits, G, mode, eta))
+
+    def dequantize(shape, bits, G, mode):
+        lead, L = shape[:-1], shape[-1]
+        codes = z(*lead, L * bits // 32, dtype=torch.int32)
+        scales = z(*lead, L // G, dtype=torch.float16)
+        calls.append(lambda: tk.dequantize_groups(codes, scales, None if mode == "sym" else scales, bits, G, mode))
+
+    for bits in (1, 2, 3, 4):
+        for mode in modes:
+            for dtype in dtypes:
+                # InnerQ keys (M = tokens, L = head_dim) and values (M = head_dim, L = tokens), Llama-3.1-8B GQA 4
+                gemv_inner_q(1, 32, 8, 0, 4096, 128, bits, 32, mode, dtype)
+                gemv_inner_q(1, 32, 8, 0, 128, 4096, bits, 32, mode, dtype)
+            gemv_inner_q(1, 32, 8, 0, 4096, 128, bits, 32, mode, torch.float16, xs=True)  # fused key norm
+            quantize((1, 8, 16, 128), bits, 32, mode, torch.float16)
+            quantize((1, 8, 128, 64), bits, 64, mode, torch.bfloat16)
+            dequantize((1, 8, 16, 128), bits, 32, mode)
+        for dtype in dtypes:
+            gemv_kivi(1, 32, 8, 0, 128, 4096, bits, 32, dtype)  # keys: rows = head_dim, columns = tokens
+            gemv_kivi(1, 32, 8, 0, 4096, 128, bits, 32, dtype)  # values: rows = tokens, columns = head_dim
+        quantize((1, 8, 128, 256), bits, 128, "asym", torch.float32, eta=0.25)
+    # tile shapes: GQA 1 and 8, q_len 16 (QP up to 128), batch 8, D 64 / 256, group 128
+    for T, H_q in ((16, 32), (0, 8), (0, 64), (4, 8)):
+        gemv_inner_q(8, H_q, 8, T, 4096, 128, 2, 32, "sym", torch.float16)
+        gemv_inner_q(8, H_q, 8, T, 128, 4096, 2, 32, "hybrid", torch.bfloat16)
+        gemv_kivi(8, H_q, 8, T, 4096, 128, 2, 32, torch.float16)
+        gemv_kivi(8, H_q, 8, T, 128, 4096, 2, 32, torch.bfloat16)
+    gemv_inner_q(1, 16, 4, 0, 2048, 256, 3, 128, "asym", torch.float16)
+    gemv_inner_q(1, 16, 4, 0, 64, 2048, 4, 64, "sym", torch.float16)
+    gemv_kivi(1, 16, 4, 0, 64, 2048, 3, 128, torch.float16)
+    quantize((2, 4, 32, 2048), 4, 2048, "hybrid", torch.float16)
+    dequantize((2, 4, 32, 2048), 4, 2048, "hybrid")
+    return calls
+
+
+# Planted faults for --self-test: each must be reported, or the check could pass without looking.
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _planted_not_pow2(x_ptr, y_ptr):
+    i = tl.arange(0, 48)  # Triton requires power-of-two ranges: a compile error, the interpreter runs it
+    tl.store(y_ptr + i, tl.load(x_ptr + i))
+
+
+@triton.jit
+def _planted_spill(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i)  # BLOCK / 32 values per thread stay live across the reduction: past 255 registers
+    tl.store(y_ptr + i, x / tl.max(x, 0))
+
+
+def planted_launches():
+    x, y = torch.zeros(16384), torch.zeros(16384)
+    return [(_planted_not_pow2, (x, y), {"num_warps": 1}), (_planted_spill, (x, y), {"BLOCK": 16384, "num_warps": 1})]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. turn a recorded launch into a compile job, as the JIT would specialise it
+
+
+def int_type(v: int) -> str:
+    if -(2**31) <= v < 2**31:
+        return "i32"
+    if -(2**63) <= v < 2**63:
+        return "i64"
+    return "u64"
+
+
+def compile_job(fn: JITFunction, args: tuple, kwargs: dict) -> dict:
+    names = fn.arg_names
+    bound = dict(zip(names, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    unknown = set(kwargs) - set(names) - set(LAUNCH_OPTIONS)
+    if unknown or len(bound) != len(names):
+        raise RuntimeError(f"{fn.__name__}: cannot bind launch (unknown {unknown}, missing {set(names) - set(bound)})")
+    signature, constexprs, divisible = {}, {}, []
+    for i, name in enumerate(names):
+        v = bound[name]
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = PTR_TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                divisible.append(i)
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1:  # the JIT specialises 1 into the kernel
+                signature[name], constexprs[name] = "constexpr", 1
+            else:
+                signature[name] = int_type(v)
+                if v % 16 == 0:
+                    divisible.append(i)
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(v).__name__} is not handled")
+    # One compile per (kernel, constexprs, argument types, launch options): launches that differ only in which
+    # ints are divisible by 16 or equal 1 would compile to near-identical code, so the first one stands for them.
+    meta = {name: constexprs[name] for i, name in enumerate(names) if fn.params[i].is_constexpr}
+    key = (fn.__name__, tuple(sorted(meta.items())), tuple(v for v in signature.values() if v[0] == "*"),
+           tuple(sorted(options.items())))  # fmt: skip
+    label = " ".join(f"{k}={v}" for k, v in meta.items())
+    dt = next((signature[n][1:] for n in ("x_ptr",) if n in signature), None)
+    return {
+        "fn": fn,
+        "signature": signature,
+        "constexprs": constexprs,
+        "divisible": divisible,
+        "options": options,
+        "key": key,
+        "label": f"{fn.__name__} {label}" + (f" x={dt}" if dt else "") + f" warps={options.get('num_warps', 4)}",
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. compile and read resource usage
+
+
+def cuobjdump_path() -> str:
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else (shutil.which("cuobjdump") or "")
+
+
+def resource_usage(cubin: bytes) -> dict:
+    tool = cuobjdump_path()
+    if not tool:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups()), strict=True)) if m else {}
+
+
+def compile_one(job: dict, cc: int) -> dict:
+    fn = job["fn"]
+    target = GPUTarget("cuda", cc, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options(dict(job["options"]))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in job["divisible"]}
+    src = ASTSource(fn=fn, signature=job["signature"], constexprs=job["constexprs"], attrs=attrs)
+    t0 = time.perf_counter()
+    try:
+        kernel = triton.compile(src, target=target, options=options.__dict__)
+    except Exception as e:  # noqa: BLE001 - report every failure, keep compiling the rest
+        return {"label": job["label"], "cc": cc, "ok": False, "error": f"{type(e).__name__}: {e}"[-2000:]}
+    usage = resource_usage(kernel.asm["cubin"])
+    shared = max(usage.get("shared", 0), int(getattr(kernel.metadata, "shared", 0)))
+    problems, notes = [], []
+    spill = usage.get("local", 0) + usage.get("stack", 0)
+    if spill > SPILL_TOLERANCE_B:
+        problems.append(f"{spill} B of stack/local memory (register spills)")
+    elif spill:
+        notes.append(f"{spill} B stack (ptxas traded a register for occupancy)")
+    if shared > SHARED_LIMIT.get(cc, 48 * 1024):
+        problems.append(f"shared memory {shared} B > {SHARED_LIMIT.get(cc)} B")
+    return {
+        "label": job["label"],
+        "cc": cc,
+        "ok": not problems,
+        "error": "; ".join(problems + notes),
+        "regs": usage.get("regs"),
+        "shared": shared,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="80,90", help="compute capabilities, comma separated (default 80,90)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", help="write the per-variant results here")
+    ap.add_argument("--self-test", action="store_true", help="compile only planted faults; exit 0 iff all FAIL")
+    args = ap.parse_args()
+    targets = [int(t) for t in args.targets.split(",")]
+
+    jobs = {}
+    for launch in planted_launches() if args.self_test else record_launches():
+        job = compile_job(*launch)
+        jobs.setdefault(job["key"], job)
+    print(f"triton {triton.__version__}, torch {torch.__version__}: {len(jobs)} distinct launches x targets {targets}")
+    if not cuobjdump_path():
+        print("note: cuobjdump not found, register/spill usage is not checked")
+
+    work = [(job, cc) for job in jobs.values() for cc in targets]
+    t0 = time.perf_counter()
+    # compilation is CPU-bound in C++ (MLIR, LLVM, ptxas): threads overlap well enough and share the imports
+    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda w: compile_one(*w), work))
+    for r in sorted(results, key=lambda r: (r["label"], r["cc"])):
+        state = "ok  " if r["ok"] else "FAIL"
+        usage = f"regs {r['regs']:>3}  smem {r['shared']:>6} B" if r.get("regs") is not None else ""
+        print(f"{state} sm_{r['cc']}  {r['label']:<72} {usage}  {r['error']}".rstrip())
+    failed = [r for r in results if not r["ok"]]
+    print(f"{len(results) - len(failed)}/{len(results)} compiled within limits in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.self_test:
+        print(f"self-test: {len(failed)}/{len(results)} planted faults reported")
+        return 0 if len(failed) == len(results) else 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
