@@ -53,7 +53,10 @@ def backends() -> dict[str, str]:
     elif torch.cuda.is_available():
         out["triton"] = "available"
     elif TRITON_INTERPRET:
-        out["triton"] = "available (CPU interpreter, TRITON_INTERPRET=1)"
+        from kvkernels.triton_kernels._common import interpreter_problem
+
+        problem = interpreter_problem()
+        out["triton"] = f"unusable: {problem}" if problem else "available (CPU interpreter, TRITON_INTERPRET=1)"
     else:
         out["triton"] = "installed, no GPU: set TRITON_INTERPRET=1 to run it on CPU"
     return out

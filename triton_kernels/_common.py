@@ -115,13 +115,44 @@ def next_pow2(n: int) -> int:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def _probe_runtime_loop(out_ptr, n):
+    for k in range(0, n):
+        tl.store(out_ptr + k, k)
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why TRITON_INTERPRET=1 cannot run these kernels in this environment, or None.
+
+    The GEMV kernels loop over their reduction with bounds passed at launch. triton 3.6's interpreter turns such a
+    bound into a 1-element numpy array and calls int() on it, which numpy >= 2.4 refuses; triton 3.9 squeezes it
+    first. Probed once with a 2-iteration loop rather than by version numbers, so a patched release just works.
+    """
+    if not INTERPRETED:
+        return None
+    out = torch.zeros(2, dtype=torch.int32)
+    try:
+        _probe_runtime_loop[(1,)](out, 2)
+    except Exception as e:  # noqa: BLE001 - any failure of the probe means the interpreter cannot run our loops
+        import numpy
+
+        return (
+            f"triton {triton.__version__}'s interpreter cannot run loops with launch-time bounds under numpy "
+            f"{numpy.__version__} ({type(e).__name__}: {e}); use triton >= 3.9 or numpy < 2.4"
+        )
+    return None if out.tolist() == [0, 1] else f"triton {triton.__version__}'s interpreter ran a probe loop wrongly"
+
+
 def check_device(op: str, t: torch.Tensor) -> None:
-    """Compiled Triton kernels need CUDA tensors; CPU tensors run only under the interpreter."""
+    """Compiled Triton kernels need CUDA tensors; CPU tensors run only under a working interpreter."""
     if not t.is_cuda and not INTERPRETED:
         raise ValueError(
             f"kvkernels.triton_kernels.{op}: tensors are on {t.device}; the Triton kernels run on CUDA, or on CPU "
             "with TRITON_INTERPRET=1 set before importing kvkernels (kvkernels.reference runs anywhere)"
         )
+    if not t.is_cuda and (problem := interpreter_problem()):
+        raise RuntimeError(f"kvkernels.triton_kernels.{op}: {problem} (kvkernels.reference runs anywhere)")
 
 
 def device_ctx(t: torch.Tensor):
