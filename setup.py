@@ -14,13 +14,31 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;8.7;9.0"
 
 
-def want_cuda() -> bool:
-    forced = os.environ.get("KVKERNELS_CUDA")
-    if forced is not None:
-        return forced == "1"
+def cuda_toolkit_problem() -> str | None:
+    """Why the CUDA kernels cannot be built here, or None. torch guesses CUDA_HOME from `which nvcc`, which is wrong
+    when nvcc is a wrapper outside the toolkit (e.g. /usr/local/bin/nvcc gives /usr/local): check the headers."""
     import torch
 
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    home = cpp_extension.CUDA_HOME
+    if home is None:
+        return "no CUDA toolkit found (set CUDA_HOME)"
+    if not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        return f"CUDA_HOME={home} has no include/cuda_runtime.h (set CUDA_HOME to the toolkit root)"
+    return None
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("KVKERNELS_CUDA")
+    if forced == "0":
+        return False
+    problem = cuda_toolkit_problem()
+    if forced == "1" and problem:
+        raise SystemExit(f"kvkernels: KVKERNELS_CUDA=1 but the CUDA kernels cannot be built: {problem}")
+    if problem:
+        print(f"kvkernels: no CUDA kernels: {problem}")
+    return problem is None
 
 
 def extension():

@@ -51,6 +51,12 @@ note "$($PY -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail 
 stage "1. build"
 CC=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo 9.0)
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CC} MAX_JOBS=${MAX_JOBS:-$(nproc)} KVKERNELS_CUDA=1
+if [ -z "${CUDA_HOME:-}" ]; then  # torch guesses from `which nvcc`, wrong when nvcc is a wrapper outside the toolkit
+  for d in "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")" /usr/local/cuda; do
+    [ -f "$d/include/cuda_runtime.h" ] && export CUDA_HOME=$d && break
+  done
+fi
+note "CUDA_HOME=${CUDA_HOME:-unset (torch will guess)}"
 T=$(slot 240 330)
 if [ -n "${VERIFY_SKIP_BUILD:-}" ]; then  # for dry runs of this script on a machine without CUDA
   echo "VERIFY_SKIP_BUILD set: not building" >"$WORK/build.log"
@@ -69,10 +75,15 @@ note "build (arch $TORCH_CUDA_ARCH_LIST, ${T}s cap${VERIFY_SKIP_BUILD:+, SKIPPED
 note "backends: $($PY -c 'import kvkernels; print(kvkernels.backends())' 2>&1 | tail -1)"
 
 stage "2. tests"
-IGNORE=()
+# The CPU stand-ins for a GPU (the CUDA emulator build, the Triton ahead-of-time compile) take minutes of this
+# budget and check nothing the real run below does not check better: CPU CI runs them.
+IGNORE=(--ignore=tests/test_cuda_emulated.py --ignore=tests/test_triton_compile.py)
+note "not run here (CPU CI runs them): ${IGNORE[*]}"
 if ! $PY -c 'import hypothesis' 2>/dev/null; then
-  for f in $(grep -lE '^\s*(import hypothesis|from hypothesis)' tests/*.py 2>/dev/null); do IGNORE+=("--ignore=$f"); done
-  note "hypothesis is not installed: ignored ${IGNORE[*]:-nothing}"
+  HYP=()
+  for f in $(grep -lE '^\s*(import hypothesis|from hypothesis)' tests/*.py 2>/dev/null); do HYP+=("--ignore=$f"); done
+  note "hypothesis is not installed: ignored ${HYP[*]:-nothing}"
+  IGNORE+=("${HYP[@]}")
 fi
 TIMEOUT_ARGS=()
 $PY -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout=120)
@@ -83,7 +94,7 @@ rc=$?
 note "tests (${T}s cap): $(status_of $rc) | $(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)"
 
 stage "3. compute-sanitizer memcheck"
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1 || true)
 if [ ! -f tests/test_cuda_kernels.py ]; then
   note "sanitizer: skipped (tests/test_cuda_kernels.py does not exist yet)" | tee "$OUT/sanitizer.log"
 elif [ -z "$SAN" ]; then
