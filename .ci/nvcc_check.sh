@@ -2,7 +2,8 @@
 # Compile check of the CUDA backend without a GPU:
 #   1. every csrc/cuda/*.cu with nvcc for sm_80, sm_87 and sm_90 (one nvcc call per file, -Xptxas -v, the
 #      setup.py flags); fails on any compile error or any register spill, prints registers per kernel and arch;
-#   2. g++ -fsyntax-only of csrc/cuda/torch_bindings.cpp against the (CPU) torch headers.
+#   2. the SASS of the GEMVs' vectorized instantiations uses 64/128-bit code loads (cuobjdump);
+#   3. g++ -fsyntax-only of csrc/cuda/torch_bindings.cpp against the (CPU) torch headers.
 # Skips (exit 0, with the reason) where nvcc or torch is absent. Two files compile at a time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,7 +115,42 @@ for f in "${files[@]}"; do
   fi
 done
 
-# ---- 2. syntax check of the torch binding -----------------------------------------------------------------------
+# ---- 2. wide code loads in the SASS ------------------------------------------------------------------------------
+# The GEMVs' VEC=true instantiations (picked at run time when code rows are 16-byte aligned) exist to read codes
+# with 64/128-bit loads. A change that made the compiler split them into 32-bit loads would cost bandwidth, not
+# correctness, so no test would notice: read the SASS. VEC is the last template argument (mangled "Lb1EEE").
+echo
+CUOBJDUMP="$(command -v cuobjdump || ls "$(dirname "$(readlink -f "$NVCC")")/cuobjdump" \
+  .venv/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -n 1)"
+if [ -z "$CUOBJDUMP" ]; then
+  echo "== wide loads: SKIP (no cuobjdump in PATH, next to nvcc, or in the venv's triton)"
+else
+  for o in "$WORK"/gemv_*.o; do
+    [ -e "$o" ] || continue
+    "$CUOBJDUMP" -sass "$o" | awk '
+      /code for sm_/ { arch = $3 }
+      /Function : / { fn = $3; if (fn ~ /Lb1EEE/) { vec[fn " " arch] = 1 } }
+      /LDG\.E\.(64|128)/ { wide[fn " " arch] = 1 }
+      END {
+        for (k in vec) { n++; if (!(k in wide)) { print "NARROW " k; bad++ } }
+        print "#vec " n + 0 " narrow " bad + 0
+      }' >"$WORK/wide.txt"
+    summary="$(tail -n 1 "$WORK/wide.txt")"
+    name="$(basename "$o" .o)"
+    if [ "$(echo "$summary" | awk '{print $2}')" = 0 ]; then
+      echo "FAIL: $name: no VEC=true instantiation found in the SASS (has the template changed?)"
+      status=1
+    elif [ "$(echo "$summary" | awk '{print $4}')" != 0 ]; then
+      grep NARROW "$WORK/wide.txt" | c++filt | sed -E "$DEMANGLE_SED" | head -n 20
+      echo "FAIL: $name: VEC=true kernels without 64/128-bit code loads"
+      status=1
+    else
+      echo "== wide loads: $name: all $(echo "$summary" | awk '{print $2}') VEC=true kernel/arch pairs use LDG.E.64/128"
+    fi
+  done
+fi
+
+# ---- 3. syntax check of the torch binding -----------------------------------------------------------------------
 echo
 BINDING=csrc/cuda/torch_bindings.cpp
 if [ ! -e "$BINDING" ]; then
