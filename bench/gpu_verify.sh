@@ -7,10 +7,11 @@
 #   1. build     KVKERNELS_CUDA=1 pip install --no-build-isolation --no-deps -e .  (only this GPU's arch)
 #   2. tests     pytest tests -rs (CUDA tests included; hypothesis tests ignored with a note if it is missing)
 #   3. sanitizer compute-sanitizer --tool memcheck over tests/test_cuda_kernels.py (SANITIZER_K narrows it)
-#   4. bench     python -m kvkernels bench --out OUTDIR/bench (full sweep, stops starting cases on budget)
-#   5. summary   pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed)
+#   4. demo      python -m kvkernels demo --device cuda (generate() table on the CUDA kernels, into the summary)
+#   5. bench     python -m kvkernels bench --out OUTDIR/bench (full sweep, stops starting cases on budget)
+#   6. summary   pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed)
 # At most 8 files come back from the GPU machine, so OUTDIR holds exactly: summary.txt, tests.log,
-# sanitizer.log, extra.tar.gz (build.log, junit.xml, bench.log), bench/<device>-<date>.json and 3 PNGs.
+# sanitizer.log, extra.tar.gz (build.log, junit.xml, demo.log, bench.log), bench/<device>-<date>.json, 3 PNGs.
 #
 # Env: PYTHON (python3), VERIFY_BUDGET_S (560), SANITIZER_K (pytest -k for stage 3), TORCH_CUDA_ARCH_LIST
 # (default: the visible GPU's compute capability), MAX_JOBS (nproc).
@@ -112,7 +113,15 @@ else
     "$(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitizer.log" | tail -1)"
 fi
 
-stage "4. bench"
+stage "4. demo"
+# the README's demo on the GPU: generate() with each cache on the CUDA kernels (issue: commit its output)
+T=$(slot 90 90)
+timeout "$T" $PY -m kvkernels demo --device cuda >"$WORK/demo.log" 2>&1
+rc=$?
+note "demo --device cuda (${T}s cap): $(status_of $rc)"
+awk '/^3\. generate/, 0' "$WORK/demo.log" | cut -c1-160 | sed 's/^/  demo| /' | tee -a "$SUMMARY"
+
+stage "5. bench"
 T=$(slot 600 20)
 BUDGET_S=$((T - 45))
 ((BUDGET_S < 10)) && BUDGET_S=10
@@ -121,7 +130,7 @@ rc=$?
 note "bench (${T}s cap, case budget ${BUDGET_S}s): $(status_of $rc)"
 tail -n 40 "$WORK/bench.log"
 
-stage "5. summary"
+stage "6. summary"
 $PY - "$WORK/junit.xml" "$OUT/bench" >>"$SUMMARY" 2>&1 <<'EOF'
 import glob, json, os, sys
 import xml.etree.ElementTree as ET
@@ -153,7 +162,7 @@ else:
     for line in topline(res):
         print("  " + line)
 EOF
-tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml bench.log 2>/dev/null)
+tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml demo.log bench.log 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"
 echo
