@@ -34,6 +34,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # must precede the first import of tri
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -143,7 +144,6 @@ def representative_calls(tk):
 
 
 # Planted faults for --self-test: each must be reported, or the check could pass without looking.
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit
