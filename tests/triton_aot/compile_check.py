@@ -135,6 +135,25 @@ def representative_calls(tk):
         gemv_inner_q(8, H_q, 8, T, 128, 4096, 2, 32, "hybrid", torch.bfloat16)
         gemv_kivi(8, H_q, 8, T, 4096, 128, 2, 32, torch.float16)
         gemv_kivi(8, H_q, 8, T, 128, 4096, 2, 32, torch.bfloat16)
+    # 64-bit strides (a cache past 2^31 elements): the JIT passes them as i64, a different specialisation.
+    # Meta tensors: shapes and strides without the memory.
+    big = 2**31 + 4096
+
+    def huge(shape, dtype):
+        strides = torch.empty(shape, device="meta").stride()
+        return torch.empty_strided(shape, (big, *strides[1:]), dtype=dtype, device="meta")
+
+    for bits in (2, 3):
+        x = torch.empty((2, 32, 128), dtype=torch.float16, device="meta")
+        c, s = huge((2, 8, 4096, 4 * bits), torch.int32), huge((2, 8, 4096, 4), torch.float16)
+        calls.append(lambda x=x, c=c, s=s, bits=bits: tk.gemv_inner_q(x, c, s, s, bits, 32, "hybrid"))
+        xk = torch.empty((2, 32, 4096), dtype=torch.bfloat16, device="meta")
+        ck, sk = huge((2, 8, 4096, 4 * bits), torch.int32), huge((2, 8, 4096, 4), torch.float16)
+        calls.append(lambda x=xk, c=ck, s=sk, bits=bits: tk.gemv_kivi(x, c, s, s, bits, 32))
+        xq = huge((2, 8, 16, 128), torch.float16)
+        calls.append(lambda x=xq, bits=bits: tk.quantize_groups(x, bits, 32, "hybrid"))
+        cd, sd = huge((2, 8, 16, 4 * bits), torch.int32), huge((2, 8, 16, 4), torch.float16)
+        calls.append(lambda c=cd, s=sd, bits=bits: tk.dequantize_groups(c, s, s, bits, 32, "asym"))
     gemv_inner_q(1, 16, 4, 0, 2048, 256, 3, 128, "asym", torch.float16)
     gemv_inner_q(1, 16, 4, 0, 64, 2048, 4, 64, "sym", torch.float16)
     gemv_kivi(1, 16, 4, 0, 64, 2048, 3, 128, torch.float16)
@@ -191,7 +210,7 @@ def compile_job(fn: JITFunction, args: tuple, kwargs: dict) -> dict:
             signature[name], constexprs[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             signature[name] = PTR_TYPES[v.dtype]
-            if v.data_ptr() % 16 == 0:
+            if v.device.type == "meta" or v.data_ptr() % 16 == 0:  # meta: as a fresh CUDA allocation would be
                 divisible.append(i)
         elif isinstance(v, bool):
             signature[name] = "i1"
@@ -209,9 +228,10 @@ def compile_job(fn: JITFunction, args: tuple, kwargs: dict) -> dict:
     # One compile per (kernel, constexprs, argument types, launch options): launches that differ only in which
     # ints are divisible by 16 or equal 1 would compile to near-identical code, so the first one stands for them.
     meta = {name: constexprs[name] for i, name in enumerate(names) if fn.params[i].is_constexpr}
-    key = (fn.__name__, tuple(sorted(meta.items())), tuple(v for v in signature.values() if v[0] == "*"),
+    wide = tuple(name for name, v in signature.items() if v in ("i64", "u64"))
+    key = (fn.__name__, tuple(sorted(meta.items())), tuple(v for v in signature.values() if v[0] == "*"), wide,
            tuple(sorted(options.items())))  # fmt: skip
-    label = " ".join(f"{k}={v}" for k, v in meta.items())
+    label = " ".join(f"{k}={v}" for k, v in meta.items()) + (f" i64:{','.join(wide)}" if wide else "")
     dt = next((signature[n][1:] for n in ("x_ptr",) if n in signature), None)
     return {
         "fn": fn,
