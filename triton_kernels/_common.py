@@ -57,6 +57,19 @@ def unpack_blocks(word0_ptrs, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def gqa_query_rows(pid_bh, H_kv, Q, T, QP: tl.constexpr):
+    """The query rows a GEMV program serves: batch b and KV head h_kv from pid_bh, and that head's Q = ratio * T
+    query rows q = r * T + t (query head h_q = h_kv * ratio + r, position t), padded to QP.
+    Returns b, h_kv, h_q, t as int64 (they scale strides) and the mask q < Q."""
+    b = (pid_bh // H_kv).to(tl.int64)
+    h_kv = (pid_bh % H_kv).to(tl.int64)
+    q = tl.arange(0, QP)
+    h_q = h_kv * (Q // T) + (q // T)
+    t = (q % T).to(tl.int64)
+    return b, h_kv, h_q, t, q < Q
+
+
+@triton.jit
 def half_bits_to_float(h):
     """Raw fp16 bits (int16, or int32 holding them in the low 16 bits) -> fp32."""
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

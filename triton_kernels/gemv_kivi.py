@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kvkernels import _validate
 
-from ._common import PRODUCT_BUDGET, check_device, device_ctx, next_pow2, num_splits, unpack_blocks
+from ._common import PRODUCT_BUDGET, check_device, device_ctx, gqa_query_rows, next_pow2, num_splits, unpack_blocks
 
 
 @triton.jit
@@ -64,13 +64,7 @@ def _gemv_kivi_kernel(
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = (pid_bh // H_kv).to(tl.int64)
-    h_kv = (pid_bh % H_kv).to(tl.int64)
-
-    q = tl.arange(0, QP)
-    q_ok = q < Q
-    h_q = h_kv * (Q // T) + (q // T)
-    t = (q % T).to(tl.int64)
+    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, QP)
     x_row = b * sx_b + h_q * sx_h + t * sx_t  # [QP] int64
 
     cb = pid_c * NCB + tl.arange(0, NCB)
