@@ -119,6 +119,7 @@ T=$(slot 90 90)
 timeout "$T" $PY -m kvkernels demo --device cuda >"$WORK/demo.log" 2>&1
 rc=$?
 note "demo --device cuda (${T}s cap): $(status_of $rc)"
+[ $rc -ne 0 ] && tail -n 5 "$WORK/demo.log" | sed 's/^/  demo| /' | tee -a "$SUMMARY"
 awk '/^3\. generate/, 0' "$WORK/demo.log" | cut -c1-160 | sed 's/^/  demo| /' | tee -a "$SUMMARY"
 
 stage "5. bench"

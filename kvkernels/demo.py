@@ -182,12 +182,16 @@ def backend_line(device) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvkernels demo", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--skip-real", action="store_true", help="skip the all-MiniLM-L6-v2 part")
     p.add_argument("--skip-model", action="store_true", help="skip the generate() part")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens in the Llama-shaped layer of part 2")
     args = p.parse_args(argv)
+    if args.new_tokens < 1 or args.seq_len < 1:
+        p.error("--new-tokens and --seq-len must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda, but torch {torch.__version__} sees no CUDA device (use --device cpu)")
     torch.manual_seed(0)
     print("kvkernels demo")
     for name, status in _backends.backends().items():

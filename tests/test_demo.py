@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 
 from kvkernels import PRESETS, demo, effective_bits
 
@@ -24,3 +25,16 @@ def test_demo_tables(capsys):
         m: float(re.search(rf"^{m}\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", out, flags=re.M).group(1)) for m in demo.METHODS
     }
     assert real["kivi4"] < real["kivi2"] < real["kivi1_eta"]  # more bits, less attention error on real data
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: --device cuda is valid here")
+def test_demo_cuda_without_gpu_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cuda"])
+    assert "--device cuda, but torch" in capsys.readouterr().err
+
+
+def test_demo_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cpu", "--seq-len", "0"])
+    assert "must be positive" in capsys.readouterr().err
