@@ -76,19 +76,64 @@ def test_hybrid_picks_asym_for_positive_groups_and_flags_sign_bit():
     assert not torch.signbit(s[0, 1]) and z[0, 1] == 0  # centred group: sym, zero stored as 0
 
 
+# fp16-representable constants, large and small, both signs (K/V caches hold fp16/bf16 values)
+CONSTANTS = (1.25, -3.0, 0.3, -0.007, 1000.0, 5e-3)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bits", BITS)
-def test_zero_and_constant_groups_are_exact(bits, mode):
-    x = torch.zeros(2, 96)
-    x[1, 32:64] = 1.25  # constant group
-    x[1, 64:] = -3.0
-    c, s, z = kvkernels.quantize_groups(x, bits, 32, mode)
-    y = kvkernels.dequantize_groups(c, s, z, bits, 32, mode)
-    assert torch.isfinite(y).all()
-    if mode == "sym":
-        assert torch.equal(y[0], x[0])  # zeros are exact; sym constants are exact only at |x| = max level
-    else:
-        assert torch.equal(y, x)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_zero_and_constant_groups_are_exact(bits, mode, dtype):
+    x = torch.zeros(1 + len(CONSTANTS), 32)
+    for i, c in enumerate(CONSTANTS):
+        x[1 + i] = c
+    x = x.half().float().flatten().unsqueeze(0).to(dtype)  # one row: an all-zero group, then one group per constant
+    for impl in (reference, kvkernels):
+        c, s, z = impl.quantize_groups(x, bits, 32, mode)
+        y = impl.dequantize_groups(c, s, z, bits, 32, mode)
+        assert torch.isfinite(y).all()
+        if mode == "sym" and bits == 1:
+            # 1-bit sym has the levels {-s, 0}: zero and negative constants are exact, a positive one reads 0
+            want = torch.where(x.float() > 0, 0.0, x.float())
+            assert torch.equal(y, want), (impl.__name__, y.unflatten(-1, (-1, 32))[..., 0])
+        else:
+            assert torch.equal(y, x.float()), (impl.__name__, y.unflatten(-1, (-1, 32))[..., 0])
+
+
+def test_sym_constant_group_rule_is_the_only_change():
+    # a group that is constant except for one value keeps the ordinary max|x| / 2^(b-1) scale
+    x = torch.full((1, 32), 1.25)
+    x[0, 7] = 1.0
+    _, s, _ = kvkernels.quantize_groups(x, 3, 32, "sym")
+    assert s.item() == 1.25 / 4
+    _, s, _ = kvkernels.quantize_groups(torch.full((1, 32), 1.25), 3, 32, "sym")
+    assert s.item() == 1.25 / 2
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_eta_zero_is_the_min_max_formula(bits):
+    # eta = 0 stores exactly z = fp16(min), s = fp16(fp32(max - min) / (2^b - 1)), on the C++ op and the reference
+    x = _data((4, 8, 64), "outliers", seed=bits)
+    xg = x.unflatten(-1, (-1, 32))
+    mn, mx = xg.amin(-1), xg.amax(-1)
+    want_s = ((mx - mn) / (2**bits - 1)).half()
+    for impl in (reference, kvkernels):
+        _, s, z = impl.quantize_groups(x, bits, 32, "asym", 0.0)
+        assert torch.equal(z.view(torch.int16), mn.half().view(torch.int16))
+        assert torch.equal(s.view(torch.int16), want_s.view(torch.int16))
+
+
+@pytest.mark.parametrize("eta", [0.1, 0.25, 1 / 3, 0.4999])
+@pytest.mark.parametrize("bits", BITS)
+def test_cpp_matches_reference_calibrated(bits, eta):
+    # 1 - 2 eta is rounded once from double on both sides (quant.cuh asym_calib); in fp32 from fp32(eta) it would
+    # differ in the last bit near eta = 0.5 (eta = 0.4999 caught that)
+    x = _data((3, 16, 128), "outliers", seed=17)
+    ref = reference.quantize_groups(x, bits, 32, "asym", eta)
+    cpp = kvkernels.quantize_groups(x, bits, 32, "asym", eta)
+    assert torch.equal(ref[0], cpp[0])
+    for a, b in zip(ref[1:], cpp[1:], strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_eta_zero_is_plain_asym_and_spececache_midpoints():

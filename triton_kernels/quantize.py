@@ -3,6 +3,7 @@
 Groups are G consecutive values along the last dim, dequantized as x ~= s * u + zeff:
 
     sym    s = fp16(max|x| / 2^(b-1)),   u = clamp(rint(x / s) + 2^(b-1), 0, 2^b - 1),   zeff = -s * 2^(b-1)
+           (constant non-zero group, b >= 2: s = fp16(|c| / 2^(b-2)))
     asym   s = fp16((max - min) / (2^b - 1)), z = fp16(min), u = clamp(rint((x - z) / s), 0, 2^b - 1),  zeff = z
            stored: s' = fp16((1 - 2 eta) s), z' = fp16(z + eta * s * (2^b - 1))
     hybrid asym iff its squared error is strictly lower; asym groups store -s (sign bit, also for s == 0) and z,
@@ -49,6 +50,12 @@ _NEG_INF = tl.constexpr(-float("inf"))
 def _row_offsets(rows, D1, D2, s0, s1, s2):
     # rows: int64 [R] flat row index over [D0, D1, D2]  ->  element offsets with the given strides
     return (rows // (D1 * D2)) * s0 + ((rows // D2) % D1) * s1 + (rows % D2) * s2
+
+
+@triton.jit
+def _clamp_code(u, QMAX: tl.constexpr):
+    # clamp to [0, QMAX]; NaN (a non-finite group only) -> 0, as quant.cuh clamp_code: conversion stays defined
+    return tl.where(u >= 0.0, tl.where(u <= QMAX, u, QMAX), 0.0)
 
 
 @triton.jit
@@ -107,25 +114,28 @@ def _quantize_kernel(
     xv = tl.load(x_ptr + x_row[:, None, None] + l * sxl, mask=ok3, other=0.0).to(tl.float32)
     has_nan = tl.max(tl.max(tl.where(ok3 & (xv != xv), 1, 0), axis=2), axis=1) > 0  # [BLOCK_ROWS]
 
+    # padding blocks must not win min/max; padding rows keep their zeros (no inf - inf downstream)
+    pad = (blk_ok[None, :, None] & (i < 32)) == 0  # [1, NBG, 32]
+    mn = tl.min(tl.min(tl.where(pad, _INF, xv), axis=2), axis=1)
+    mx = tl.max(tl.max(tl.where(pad, _NEG_INF, xv), axis=2), axis=1)
+    mn = tl.where(has_nan, _NAN, mn)
+    mx = tl.where(has_nan, _NAN, mx)
     if MODE != 1:  # sym
         amax = tl.max(tl.max(tl.abs(xv), axis=2), axis=1)  # masked lanes hold 0, harmless for max|x|
-        s_s = round_to_half(tl.where(has_nan, _NAN, amax) * INV_OFF)
+        inv_den = tl.full((BLOCK_ROWS,), INV_OFF, tl.float32)
+        if BITS >= 2:  # a constant non-zero group: max|x| / 2^(b-2), exact on a level (FORMATS.md)
+            inv_den = tl.where((mn == mx) & (amax > 0), INV_OFF * 2.0, inv_den)
+        s_s = round_to_half(tl.where(has_nan, _NAN, amax) * inv_den)  # times a power of two: exact
         s3 = s_s[:, None, None]
         u_s = tl.where(s3 > 0, round_half_even(tl.math.div_rn(xv, tl.where(s3 > 0, s3, 1.0))) + OFF, OFF)
-        u_s = tl.minimum(tl.maximum(u_s, 0.0), QMAX)
+        u_s = _clamp_code(u_s, QMAX)
     if MODE != 0:  # asym
-        # padding blocks must not win min/max; padding rows keep their zeros (no inf - inf downstream)
-        pad = (blk_ok[None, :, None] & (i < 32)) == 0  # [1, NBG, 32]
-        mn = tl.min(tl.min(tl.where(pad, _INF, xv), axis=2), axis=1)
-        mx = tl.max(tl.max(tl.where(pad, _NEG_INF, xv), axis=2), axis=1)
-        mn = tl.where(has_nan, _NAN, mn)
-        mx = tl.where(has_nan, _NAN, mx)
         s_a = round_to_half(tl.math.div_rn(mx - mn, QMAX))
         z_a = round_to_half(mn)
         sa3 = s_a[:, None, None]
         q_a = tl.math.div_rn(xv - z_a[:, None, None], tl.where(sa3 > 0, sa3, 1.0))
         u_a = tl.where(sa3 > 0, round_half_even(q_a), 0.0)
-        u_a = tl.minimum(tl.maximum(u_a, 0.0), QMAX)
+        u_a = _clamp_code(u_a, QMAX)
         s_st = round_to_half(s_mul * s_a)
         z_st = round_to_half(z_a + eta * s_a * QMAX)
 
@@ -257,7 +267,7 @@ def quantize_groups_into(x, bits, group_size, mode, eta, codes, scales, zeros) -
         _quantize_kernel[(triton.cdiv(n_rows, block_rows), L // group_size)](
             x, codes, scales.view(torch.int16), zeros,
             n_rows, D1, D2, *sx, x.stride(-1), *sc, *ss, *sz,
-            1.0 - 2.0 * eta, eta,
+            1.0 - 2.0 * eta, eta,  # fp32 scalars rounded from double, as quant.cuh asym_calib
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], BLOCK_ROWS=block_rows, NBG=nbg,
             num_warps=4, **_launch_opts(),
         )  # fmt: skip

@@ -86,6 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor&
   uint16_t* scale_dst = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   uint16_t* zero_dst = reinterpret_cast<uint16_t*>(zeros.data_ptr<at::Half>());
   const int G = static_cast<int>(group_size), b = static_cast<int>(bits);
+  const kvk::AsymCalib calib = kvk::asym_calib(eta);
   at::parallel_for(0, ngroups, 64, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> group_codes(G), scratch(G);
     for (int64_t g = begin; g < end; ++g) {
@@ -94,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor&
       if (qmode == kvk::QuantMode::kSym) {
         q = kvk::quantize_group_sym(xg, G, b, group_codes.data());
       } else if (qmode == kvk::QuantMode::kAsym) {
-        q = kvk::quantize_group_asym(xg, G, b, static_cast<float>(eta), group_codes.data());
+        q = kvk::quantize_group_asym(xg, G, b, calib, group_codes.data());
       } else {
         q = kvk::quantize_group_hybrid(xg, G, b, group_codes.data(), scratch.data());
       }

@@ -115,7 +115,7 @@ struct QuantizeParams {
   int bits;            // 1..4
   int group_size;      // G
   QuantMode mode;      // sym / asym / hybrid
-  float eta;           // asym calibration (0 = min/max)
+  AsymCalib calib;     // asym calibration: fp32(1 - 2 eta), fp32(eta) (kNoCalib = plain min/max)
   XDtype x_dtype;      // dtype of x
 };
 cudaError_t launch_quantize_groups_into(const QuantizeParams& p, cudaStream_t stream);

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kQuantMaxThreads) quantize_groups_kernel(const
   if constexpr (MODE == QuantMode::kSym) {
     q = quantize_group_sym(xs, G, BITS, codes);
   } else if constexpr (MODE == QuantMode::kAsym) {
-    q = quantize_group_asym(xs, G, BITS, p.eta, codes);
+    q = quantize_group_asym(xs, G, BITS, p.calib, codes);
   } else {
     q = quantize_group_hybrid(xs, G, BITS, codes, scratch);
   }

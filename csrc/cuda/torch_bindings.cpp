@@ -198,7 +198,7 @@ void quantize_into_checked(const char* op, const at::Tensor& x_in, int64_t bits,
   p.bits = static_cast<int>(bits);
   p.group_size = static_cast<int>(group_size);
   p.mode = parse_mode(op, mode);
-  p.eta = static_cast<float>(eta);  // the CPU op narrows the same way
+  p.calib = kvk::asym_calib(eta);  // the CPU op rounds the same way
   check_launch(op, kvk::launch_quantize_groups_into(p, current_stream()));
 }
 

@@ -101,6 +101,10 @@ KVK_HD float round_half_even(float v) {
 
 KVK_HD float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// Code of a quantized value: clamp to [0, qmax], and NaN (a non-finite group: inf / inf, or inf - inf) to 0, so the
+// float -> integer conversion is always defined. Such a group's scale is NaN or Inf, so it reads back non-finite.
+KVK_HD float clamp_code(float v, float qmax) { return v >= 0.f ? (v <= qmax ? v : qmax) : 0.f; }
+
 // min/max that propagate NaN (fminf/fmaxf drop it), so a NaN input poisons its own group's scale, visibly,
 // instead of being silently coded as some level. Matches torch.amin/amax in the reference.
 KVK_HD float nan_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
@@ -181,16 +185,29 @@ struct GroupQuant {
   float sq_error;  // sum of squared reconstruction error, with the stored (fp16) scale/zero
 };
 
+// Scale denominators of sym: 2^(b-1) (max|x| on the edge of the level set), except for a constant non-zero group
+// (every value c) at b >= 2, which uses 2^(b-2): with 2^(b-1), c = +max|x| would land on the clipped top code
+// 2^(b-1) - 1 and read back as (1 - 2^(1-b)) c; with 2^(b-2), +-c is the level +-2^(b-2) times s = |c| / 2^(b-2),
+// a division by a power of two, so the group reads back exactly. (b = 1 has no positive level at all.)
+KVK_HD float sym_denominator(int bits, bool constant_group) {
+  return static_cast<float>(1 << (constant_group && bits >= 2 ? bits - 2 : bits - 1));
+}
+
 KVK_HD GroupQuant quantize_group_sym(const float* x, int n, int bits, uint32_t* codes) {
-  float amax = 0.f;
-  for (int i = 0; i < n; ++i) amax = nan_max(amax, fabsf(x[i]));
+  float amax = 0.f, mn = x[0], mx = x[0];
+  for (int i = 0; i < n; ++i) {
+    amax = nan_max(amax, fabsf(x[i]));
+    mn = nan_min(mn, x[i]);
+    mx = nan_max(mx, x[i]);
+  }
   const float off = sym_offset_rt(bits);
   const float qmax = static_cast<float>((1 << bits) - 1);
-  const uint16_t sb = float_to_half_bits(div_rn(amax, off));
+  const bool constant_group = mn == mx && amax > 0.f;  // false under NaN
+  const uint16_t sb = float_to_half_bits(div_rn(amax, sym_denominator(bits, constant_group)));
   const float s = half_bits_to_float(sb);
   float err = 0.f;
   for (int i = 0; i < n; ++i) {
-    const float u = s > 0.f ? clampf(add_rn(round_half_even(div_rn(x[i], s)), off), 0.f, qmax) : off;
+    const float u = s > 0.f ? clamp_code(add_rn(round_half_even(div_rn(x[i], s)), off), qmax) : off;
     codes[i] = static_cast<uint32_t>(u);
     const float d = sub_rn(sub_rn(mul_rn(s, u), mul_rn(s, off)), x[i]);
     err = add_rn(err, mul_rn(d, d));
@@ -199,8 +216,19 @@ KVK_HD GroupQuant quantize_group_sym(const float* x, int n, int bits, uint32_t* 
 }
 
 // eta: calibrated zero/scale (XQuant/SpeCache): codes from (z, s), stored z' = z + eta*s*(2^b-1),
-// s' = (1 - 2 eta) s. eta = 0 is plain min/max asymmetric quantization.
-KVK_HD GroupQuant quantize_group_asym(const float* x, int n, int bits, float eta, uint32_t* codes) {
+// s' = (1 - 2 eta) s. eta = 0 is plain min/max asymmetric quantization. Both factors are fp32, and 1 - 2 eta is
+// computed in double from the caller's double eta and rounded once (asym_calib), exactly as the reference and
+// Triton do (a Python float times an fp32 tensor): computing it in fp32 from fp32(eta) differs near eta = 0.5.
+struct AsymCalib {
+  float s_mul;  // fp32(1 - 2 eta)
+  float eta;    // fp32(eta)
+};
+
+inline AsymCalib asym_calib(double eta) { return {static_cast<float>(1.0 - 2.0 * eta), static_cast<float>(eta)}; }
+
+constexpr AsymCalib kNoCalib{1.f, 0.f};
+
+KVK_HD GroupQuant quantize_group_asym(const float* x, int n, int bits, AsymCalib cal, uint32_t* codes) {
   float mn = x[0], mx = x[0];
   for (int i = 1; i < n; ++i) {
     mn = nan_min(mn, x[i]);
@@ -210,11 +238,11 @@ KVK_HD GroupQuant quantize_group_asym(const float* x, int n, int bits, float eta
   const float s = round_to_half(div_rn(sub_rn(mx, mn), qmax));
   const float z = round_to_half(mn);
   for (int i = 0; i < n; ++i) {
-    const float u = s > 0.f ? clampf(round_half_even(div_rn(sub_rn(x[i], z), s)), 0.f, qmax) : 0.f;
+    const float u = s > 0.f ? clamp_code(round_half_even(div_rn(sub_rn(x[i], z), s)), qmax) : 0.f;
     codes[i] = static_cast<uint32_t>(u);
   }
-  const uint16_t sb = float_to_half_bits(mul_rn(sub_rn(1.f, mul_rn(2.f, eta)), s));
-  const uint16_t zb = float_to_half_bits(add_rn(z, mul_rn(mul_rn(eta, s), qmax)));
+  const uint16_t sb = float_to_half_bits(mul_rn(cal.s_mul, s));
+  const uint16_t zb = float_to_half_bits(add_rn(z, mul_rn(mul_rn(cal.eta, s), qmax)));
   const float s_st = half_bits_to_float(sb), z_st = half_bits_to_float(zb);
   float err = 0.f;
   for (int i = 0; i < n; ++i) {
@@ -228,7 +256,7 @@ KVK_HD GroupQuant quantize_group_asym(const float* x, int n, int bits, float eta
 // `scratch` holds n codes for the losing candidate.
 KVK_HD GroupQuant quantize_group_hybrid(const float* x, int n, int bits, uint32_t* codes, uint32_t* scratch) {
   const GroupQuant sym = quantize_group_sym(x, n, bits, codes);
-  const GroupQuant asym = quantize_group_asym(x, n, bits, 0.f, scratch);
+  const GroupQuant asym = quantize_group_asym(x, n, bits, kNoCalib, scratch);
   if (asym.sq_error < sym.sq_error) {
     for (int i = 0; i < n; ++i) codes[i] = scratch[i];
     return {static_cast<uint16_t>(asym.scale_bits | kHalfSignBit), asym.zero_bits, asym.sq_error};

@@ -4,6 +4,7 @@ Groups are G consecutive values along the last dim. Every mode stores unsigned b
 scale/zero words and dequantizes a group as  x ~= s * u + zeff:
 
     sym    s = fp16(max|x| / 2^(b-1)),   u = clamp(round(x / s) + 2^(b-1), 0, 2^b - 1),   zeff = -s * 2^(b-1)
+           (a constant non-zero group, b >= 2: s = fp16(|c| / 2^(b-2)), so it reads back exactly)
     asym   s = fp16((max - min) / (2^b - 1)), z = fp16(min),  u = clamp(round((x - z) / s), 0, 2^b - 1), zeff = z
     hybrid per group, whichever of sym/asym has the lower squared error (ties: sym); asym groups store -s
            (fp16 sign bit = mask M of the InnerQ paper, eq. 14) and their zero; sym groups store zero 0.
@@ -14,7 +15,8 @@ eta = 0.25 gives SpeCache's 1-bit midpoints z' = (3 min + max) / 4, s' = (max - 
 
 The signed level set of sym (two's-complement range -2^(b-1) .. 2^(b-1)-1 with s = max|x| / 2^(b-1)) was picked
 by measured MSE against the midtread and midrise alternatives: docs/FORMATS.md has the numbers and
-bench/sym_levels.py reproduces them. A group with s == 0 (all zero, or constant under asym) dequantizes exactly.
+bench/sym_levels.py reproduces them. A group with s == 0 (all zero, or constant under asym) dequantizes exactly, and
+so does a constant group under sym (b >= 2). NaN codes (non-finite input only) become 0.
 """
 
 import torch
@@ -31,11 +33,20 @@ def _round_half(t: torch.Tensor) -> torch.Tensor:
 def _sym(xg: torch.Tensor, bits: int):
     # xg: fp32 [..., ngroups, G]  ->  codes (same shape, fp32 integers), scale [..., ngroups], deq, sq_error
     off = 2.0 ** (bits - 1)
-    s = _round_half(xg.abs().amax(-1) / off)
+    amax = xg.abs().amax(-1)
+    # a constant non-zero group uses max|x| / 2^(b-2), which puts it exactly on a level (b >= 2; see FORMATS.md)
+    constant = (xg.amin(-1) == xg.amax(-1)) & (amax > 0) & (bits >= 2)
+    s = _round_half(amax / torch.where(constant, 2.0 ** max(bits - 2, 0), off))
     safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
-    u = torch.where(s.unsqueeze(-1) > 0, (xg / safe).round() + off, torch.full_like(xg, off)).clamp(0, 2**bits - 1)
+    u = torch.where(s.unsqueeze(-1) > 0, (xg / safe).round() + off, torch.full_like(xg, off))
+    u = _code(u, bits)
     deq = s.unsqueeze(-1) * u - s.unsqueeze(-1) * off
     return u, s, deq, ((deq - xg) ** 2).sum(-1)
+
+
+def _code(u: torch.Tensor, bits: int) -> torch.Tensor:
+    # clamp to [0, 2^b - 1]; NaN (only in a non-finite group, whose scale is NaN/Inf) becomes code 0
+    return torch.nan_to_num(u, nan=0.0).clamp(0, 2**bits - 1)
 
 
 def _asym(xg: torch.Tensor, bits: int, eta: float = 0.0):
@@ -45,8 +56,8 @@ def _asym(xg: torch.Tensor, bits: int, eta: float = 0.0):
     z = _round_half(mn)
     safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
     u = torch.where(s.unsqueeze(-1) > 0, ((xg - z.unsqueeze(-1)) / safe).round(), torch.zeros_like(xg))
-    u = u.clamp(0, qmax)
-    s_st = _round_half((1 - 2 * eta) * s)
+    u = _code(u, bits)
+    s_st = _round_half((1 - 2 * eta) * s)  # 1 - 2 eta in double, rounded once to fp32 (as quant.cuh asym_calib)
     z_st = _round_half(z + eta * s * qmax)
     deq = s_st.unsqueeze(-1) * u + z_st.unsqueeze(-1)
     return u, s_st, z_st, deq, ((deq - xg) ** 2).sum(-1)

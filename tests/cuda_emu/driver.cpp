@@ -176,7 +176,7 @@ void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, 
   auto lay = [&](int64_t S) { RowLayout r{}; r.ndim = 2; r.size[0] = d0 * d1; r.size[1] = d2; r.stride[0] = (d2 + 3) * S; r.stride[1] = S; return r; };
   p.codes = cb.p + 1 * cS; p.scales = sb.p + 1 * sS; p.zeros = zb.p + 1 * sS;
   p.c_rows = lay(cS); p.s_rows = lay(sS); p.z_rows = lay(sS);
-  p.rows = rows; p.L = L; p.bits = bits; p.group_size = G; p.mode = mode; p.eta = eta; p.x_dtype = dt;
+  p.rows = rows; p.L = L; p.bits = bits; p.group_size = G; p.mode = mode; p.calib = asym_calib(eta); p.x_dtype = dt;
   cudaError_t e = launch_quantize_groups_into(p, nullptr);
   res.cases++;
   if (e != cudaSuccess) { printf("quant launch error %s\n", last_launch_error()); res.fails++; return; }
@@ -184,7 +184,7 @@ void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, 
   std::vector<uint32_t> gc(G), scr(G);
   for (int64_t r = 0; r < rows; ++r) for (int64_t g = 0; g < NG; ++g) {
     GroupQuant q = mode == QuantMode::kSym ? quantize_group_sym(&xe[r * L + g * G], G, bits, gc.data())
-                 : mode == QuantMode::kAsym ? quantize_group_asym(&xe[r * L + g * G], G, bits, eta, gc.data())
+                 : mode == QuantMode::kAsym ? quantize_group_asym(&xe[r * L + g * G], G, bits, asym_calib(eta), gc.data())
                  : quantize_group_hybrid(&xe[r * L + g * G], G, bits, gc.data(), scr.data());
     const int64_t i0 = r / d2, i1 = r % d2;
     const int64_t crow = i0 * (d2 + 3) * cS + (i1 + 1) * cS, srow = i0 * (d2 + 3) * sS + (i1 + 1) * sS;
