@@ -57,11 +57,30 @@ def test_reference_inner_q_matches_definition(mode, T):
     torch.testing.assert_close(got, _naive_inner_q(x, codes, scales, zeros, 3, 32, mode, x_scale), rtol=1e-5, atol=1e-4)
 
 
-def test_reference_kivi_matches_dequantized_matmul():
-    x, codes, scales, zeros = _kivi_case(dtype=torch.float32)
-    w = reference.dequantize_groups(codes, scales, zeros, 2, 32, "asym")  # [B, H_kv, R, C]
-    want = torch.einsum("bhr,bhrc->bhc", x, w.repeat_interleave(2, dim=1))
-    torch.testing.assert_close(reference.gemv_kivi(x, codes, scales, zeros, 2, 32), want, rtol=1e-5, atol=1e-4)
+def _naive_kivi(x, codes, scales, zeros, bits, G):
+    # the definition, one output column at a time, from packed words: y[b,h,t,c] = sum_r x[b,h,t,r] * deq[r, c]
+    x4 = x if x.dim() == 4 else x.unsqueeze(2)
+    B, H_q, T, R = x4.shape
+    H_kv = codes.shape[1]
+    u = reference.unpack_bits(codes, bits).float()  # [B, H_kv, R, C]
+    C = u.shape[-1]
+    y = torch.zeros(B, H_q, T, C)
+    for b in range(B):
+        for h in range(H_q):
+            hk = h // (H_q // H_kv)
+            for c in range(C):
+                s = scales[b, hk, :, c // G].float()  # [R]: one (scale, zero) per row and column group
+                z = zeros[b, hk, :, c // G].float()
+                y[b, h, :, c] = (x4[b, h].float() * (s * u[b, hk, :, c] + z)).sum(-1)
+    return y if x.dim() == 4 else y.squeeze(2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("T, H_q", [(None, 4), (3, 8)], ids=["no-T-gqa2", "T3-gqa4"])
+def test_reference_kivi_matches_definition(bits, T, H_q):
+    x, codes, scales, zeros = _kivi_case(H_q=H_q, T=T, R=13, C=96, bits=bits, dtype=torch.float32, seed=bits)
+    got = reference.gemv_kivi(x, codes, scales, zeros, bits, 32)
+    torch.testing.assert_close(got, _naive_kivi(x, codes, scales, zeros, bits, 32), rtol=1e-5, atol=1e-4)
 
 
 def test_cpu_dispatch_runs_the_reference():

@@ -16,6 +16,10 @@ import triton.language as tl
 # Elements of the largest broadcast product a GEMV program holds (e.g. [rows, BLOCK_M, blocks, 32] for InnerQ):
 # 8192 fp32 values is 64 registers per thread at num_warps=4, which leaves room for the operands.
 PRODUCT_BUDGET = 8192
+# Query rows (query heads of a KV head x q_len) one GEMV launch holds in its register tile: the product tile is
+# [next_pow2(rows), ...] under PRODUCT_BUDGET, so more rows would shrink the code tile to a row or two per program;
+# longer q_len is split into launches of query_t_chunk(...) rows (the codes are then read once per launch).
+MAX_QUERY_ROWS = 64
 # Elements of one quantize/dequantize tile [BLOCK_ROWS, blocks per group, 32].
 QUANT_TILE = 1024
 # A split of the reduction must run at least this many loop iterations, or its partial sum costs more than it saves.
@@ -122,6 +126,11 @@ def round_to_half(v):
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
+
+
+def query_t_chunk(gq: int, T: int) -> int:
+    """q_len rows per launch: all T if gq * T <= MAX_QUERY_ROWS, else the most that fit (at least one)."""
+    return T if gq * T <= MAX_QUERY_ROWS else max(1, MAX_QUERY_ROWS // gq)
 
 
 # Read once, at import, like @triton.jit itself: the kernels below are interpreted iff this is True.

@@ -28,6 +28,7 @@ from ._common import (
     group_affine,
     next_pow2,
     num_splits,
+    query_t_chunk,
     unpack_blocks,
 )
 
@@ -152,6 +153,12 @@ def gemv_inner_q(
     y_shape = (B, H_q, T, M) if has_t else (B, H_q, M)
     if B * H_q * T * M == 0 or L == 0:
         return torch.zeros(y_shape, dtype=torch.float32, device=x.device)
+
+    tc = query_t_chunk(H_q // H_kv, T)
+    if tc < T:  # long q_len: launches of tc rows (see MAX_QUERY_ROWS), concatenated along T
+        args = (codes, scales, zeros, bits, group_size, mode, x_scale)
+        parts = [gemv_inner_q(x4[:, :, t0 : t0 + tc], *args) for t0 in range(0, T, tc)]
+        return torch.cat(parts, dim=2)
 
     Q = (H_q // H_kv) * T
     qp = next_pow2(Q)

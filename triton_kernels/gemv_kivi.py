@@ -19,7 +19,16 @@ import triton.language as tl
 
 from kvkernels import _validate
 
-from ._common import PRODUCT_BUDGET, check_device, device_ctx, gqa_query_rows, next_pow2, num_splits, unpack_blocks
+from ._common import (
+    PRODUCT_BUDGET,
+    check_device,
+    device_ctx,
+    gqa_query_rows,
+    next_pow2,
+    num_splits,
+    query_t_chunk,
+    unpack_blocks,
+)
 
 
 @triton.jit
@@ -125,6 +134,11 @@ def gemv_kivi(
     y_shape = (B, H_q, T, C) if has_t else (B, H_q, C)
     if B * H_q * T * C == 0 or R == 0:
         return torch.zeros(y_shape, dtype=torch.float32, device=x.device)
+
+    tc = query_t_chunk(H_q // H_kv, T)
+    if tc < T:  # long q_len: launches of tc rows (see MAX_QUERY_ROWS), concatenated along T
+        parts = [gemv_kivi(x4[:, :, t0 : t0 + tc], codes, scales, zeros, bits, group_size) for t0 in range(0, T, tc)]
+        return torch.cat(parts, dim=2)
 
     Q = (H_q // H_kv) * T
     qp = next_pow2(Q)

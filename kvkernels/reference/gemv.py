@@ -15,9 +15,11 @@ def _as_4d(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (x, True) if x.dim() == 4 else (x.unsqueeze(2), False)
 
 
-def _expand_heads(w: torch.Tensor, h_q: int) -> torch.Tensor:
-    # w: [B, H_kv, ...] -> [B, H_q, ...]: query head h reads KV head h // (H_q / H_kv)
-    return w.repeat_interleave(h_q // w.shape[1], dim=1)
+def _by_kv_head(xf: torch.Tensor, h_kv: int) -> torch.Tensor:
+    # xf: [B, H_q, T, L] -> [B, H_kv, H_q / H_kv, T, L]: query head h reads KV head h // (H_q / H_kv), so the
+    # query heads of one KV head sit together and broadcast against its weights (never copied per query head)
+    B, H_q, T, L = xf.shape
+    return xf.reshape(B, h_kv, H_q // h_kv, T, L)
 
 
 def gemv_inner_q(
@@ -33,10 +35,13 @@ def gemv_inner_q(
     """y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes)[b, h_kv, m, l]  (fp32)."""
     x4, has_t = _as_4d(x)
     xf = x4.to(torch.float32)  # [B, H_q, T, L]
+    B, H_q, T, _ = xf.shape
+    H_kv = codes.shape[1]
+    xg = _by_kv_head(xf, H_kv)  # [B, H_kv, gq, T, L]
     if x_scale is not None:
-        xf = xf * _expand_heads(x_scale.to(torch.float32).unsqueeze(0), xf.shape[1]).unsqueeze(2)
+        xg = xg * x_scale.to(torch.float32)[None, :, None, None, :]  # x_scale: [H_kv, L]
     w = dequantize_groups(codes, scales, zeros, bits, group_size, mode)  # [B, H_kv, M, L]
-    y = xf @ _expand_heads(w, xf.shape[1]).transpose(-1, -2)  # [B, H_q, T, M]
+    y = (xg @ w.unsqueeze(2).transpose(-1, -2)).reshape(B, H_q, T, -1)  # [B, H_q, T, M]
     return y if has_t else y.squeeze(2)
 
 
@@ -45,6 +50,8 @@ def gemv_kivi(
 ) -> torch.Tensor:
     """y[b, h, t, c] = sum_r x[b, h, t, r] * deq(codes)[b, h_kv, r, c]  (fp32), asym groups along c."""
     x4, has_t = _as_4d(x)
+    B, H_q, T, _ = x4.shape
+    xg = _by_kv_head(x4.to(torch.float32), codes.shape[1])  # [B, H_kv, gq, T, R]
     w = dequantize_groups(codes, scales, zeros, bits, group_size, "asym")  # [B, H_kv, R, C]
-    y = x4.to(torch.float32) @ _expand_heads(w, x4.shape[1])  # [B, H_q, T, C]
+    y = (xg @ w.unsqueeze(2)).reshape(B, H_q, T, -1)  # [B, H_q, T, C]
     return y if has_t else y.squeeze(2)
