@@ -34,6 +34,8 @@ tokens) are the kept tokens of that one group dequantized back into the front of
 quantization error, and are re-quantized when they leave the window again).
 """
 
+import math
+
 import torch
 
 from . import ops
@@ -42,6 +44,7 @@ from .formats import InnerQConfig, KIVIConfig, stores_zeros
 from .keynorm import compute_key_norm
 
 _BLOCK = 32
+_VEC_TOKENS = 128  # tokens whose b-bit codes fill whole 16-byte words for every b in 1..4 (128 * b / 8 bytes)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -65,8 +68,11 @@ class QuantStore:
         self.layout, self.bits, self.group_size, self.mode, self.eta = layout, bits, group_size, mode, float(eta)
         self.heads, self.head_dim, self.device = heads, head_dim, torch.device(device)
         self.step = 1 if layout == "rows" else group_size  # token granularity of writes and truncations
+        # capacity granularity: G tokens; "cols" rounds to lcm(G, 128) tokens, so a row of cap*b/32 code words is a
+        # whole number of 16-byte words at every b and the CUDA GEMV can read it with 16-byte loads
+        self.cap_unit = group_size if layout == "rows" else math.lcm(group_size, _VEC_TOKENS)
         self.n = 0
-        self.cap = _round_up(max(int(capacity), group_size), group_size)
+        self.cap = _round_up(max(int(capacity), group_size), self.cap_unit)
         self.codes, self.scales, self.zeros = self._alloc(batch, self.cap)
 
     # -- buffers ---------------------------------------------------------------------------------------------
@@ -102,7 +108,7 @@ class QuantStore:
 
     def _grow(self, needed: int) -> None:
         """Reallocate to max(2 * cap, needed) tokens and copy the used part; the only place the store is copied."""
-        new_cap = _round_up(max(2 * self.cap, needed), self.group_size)
+        new_cap = _round_up(max(2 * self.cap, needed), self.cap_unit)
         used = self.views()
         self.cap = new_cap
         self.codes, self.scales, self.zeros = self._alloc(self.batch, new_cap)

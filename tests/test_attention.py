@@ -137,8 +137,9 @@ def test_scale_argument_and_wrappers():
     ci, _, _ = filled(PRESETS["innerq_base"])
     ck, _, _ = filled(PRESETS["kivi2"])
     q = query(2, 4, 1, 64)
+    # fp32 on both sides, summed in different orders (split softmax + GEMVs vs one SDPA over |out| ~ 1): 1e-5
     torch.testing.assert_close(
-        innerq_decode_attention(q, ci, 0.3), reference_decode_attention(q, *ci.dequantized(), 0.3), rtol=1e-5, atol=2e-6
+        innerq_decode_attention(q, ci, 0.3), reference_decode_attention(q, *ci.dequantized(), 0.3), rtol=1e-5, atol=1e-5
     )
     torch.testing.assert_close(kivi_decode_attention(q, ck), decode_attention(q, ck), rtol=0, atol=0)
     with pytest.raises(TypeError, match="InnerQ"):

@@ -161,7 +161,9 @@ def test_capacity_grows_by_doubling_and_appends_never_copy():
     k, v = kv(1, 2, 300, 32)
     c.prefill(k[:, :, :20], v[:, :, :20])
     ks, vs = c.key_store, c.value_store
-    assert ks.cap == vs.cap == 32
+    # keys ("rows") grow by G tokens; values ("cols", tokens along the packed dim) by 128, so every row of codes is
+    # whole 16-byte words (the CUDA GEMV's vector loads need that)
+    assert ks.cap == 32 and vs.cap == 128
     ptr = ks.codes.data_ptr()
     seen_caps = {32}
     for i in range(20, 300):
@@ -178,11 +180,12 @@ def test_capacity_grows_by_doubling_and_appends_never_copy():
         for x, y in zip(before, after, strict=True):  # what was there is untouched by the append / growth
             assert torch.equal(x[:, :, :stable], y[:, :, :stable])
     assert seen_caps == {32, 64, 128, 256, 512} and ks.codes.data_ptr() != ptr
-    assert vs.cap >= vs.n and vs.cap % 32 == 0
+    assert vs.cap >= vs.n and vs.cap % 128 == 0 and vs.codes.stride(-2) % 4 == 0
     # a chunk larger than twice the capacity grows straight to what it needs
     c2 = make_cache(PRESETS["kivi2"], D=32, capacity=0)
     c2.prefill(*kv(1, 2, 700, 32))
     assert c2.key_store.cap >= c2.key_store.n == 544 and c2.value_store.cap >= 572
+    assert c2.key_store.cap % 128 == 0 and c2.key_store.codes.stride(-2) % 4 == 0
 
 
 # ---------------------------------------------------------------------------------------------------------

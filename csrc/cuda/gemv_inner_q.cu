@@ -4,9 +4,12 @@
 //
 // Block = (row tile of M, split of L, (b, h_kv)). It stages xs for a tile of up to 8 query rows (all query
 // heads of the KV head times the launch's T rows) in shared memory as fp32, together with xsum per
-// (query row, group), computed once and shared by every row m. Each row is read once from DRAM and serves all
-// query rows: codes are never expanded per query head. Rows are split over `tpr` lanes (a power of two <= 32,
-// so a row never straddles warps); each lane decodes whole 16-byte chunks of codes in registers, keeps one
+// (query row, group), computed once and shared by every row m. Each row is read once and serves all the tile's
+// query rows: codes are never expanded per query head. More than 8 query rows (GQA ratio x q_len) loop over 8-row
+// tiles inside the block, which re-reads its rows once per tile, right after the previous pass (a few KiB per
+// block, so from L1/L2 rather than DRAM; not yet measured on a GPU). Rows are split over `tpr` lanes (a power of two <= 32,
+// so a row never straddles warps); each lane decodes whole 16-byte chunks of codes in registers (a row's last
+// L % chunk values, whole 32-value blocks, with 32-bit loads), keeps one
 // running dot per query row and folds it in with one FMA by s_g per group (plus zeff_g * xsum_g once per group,
 // by the lane holding the group's first block). Lanes of a row are combined with a butterfly shuffle.
 //
@@ -55,11 +58,13 @@ constexpr int kChunkPad = 4;                // floats of padding per chunk in sm
 // Left alone, ptxas squeezes some instantiations to 64 registers and spills; these caps are the tightest that
 // compile without spills on sm_80/87/90 (.ci/nvcc_check.sh): 1 query row ~80 registers (3 blocks), 2-4 rows
 // 128 (2 blocks); left uncapped (1 block, FMA-bound anyway): the 12-word 3-bit vector chunk with >= 4 rows,
-// and 8 rows at 1 or 3 bits (their 4-block chunks unroll to 1024 FMAs).
+// 8 rows at 1 or 3 bits (their 4-block chunks unroll to 1024 FMAs), and 8 rows with vector loads at any width
+// (the 32-bit tail path puts 2 and 4 bits a register or two over 128; with 8 rows every code byte feeds >= 16
+// FMAs, above the H100's ~10 FMA per DRAM byte, so these run compute-bound and occupancy matters less).
 __host__ __device__ constexpr int min_blocks_per_sm(int bits, int qt, bool vec) {
   if (qt == 1) return 3;
   if (bits == 3 && vec && qt >= 4) return 1;
-  if (qt == 8 && (bits == 1 || bits == 3)) return 1;
+  if (qt == 8 && (bits == 1 || bits == 3 || vec)) return 1;
   return 2;
 }
 
@@ -88,10 +93,14 @@ size_t stage_bytes(int64_t len, int qt, int chunk, int group_size) {
   return static_cast<size_t>(qt) * static_cast<size_t>(padded + len / group_size) * sizeof(float);
 }
 
+// 16-byte code loads need 16-byte aligned rows and at least one whole vector chunk per row. L itself need not be a
+// multiple of the chunk: the last (L % chunk) values of a row, whole 32-value blocks, are read with 32-bit loads.
+// (The InnerQ value store grows by G = 32 tokens, so its L is a multiple of the 128-value 3-bit chunk only one
+// step in four; requiring it would put most value GEMVs on the narrow path.)
 bool codes_aligned_16(const GemvInnerQParams& p) {
   const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
   return reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) &&
-         ok(p.M, p.c_sm) && p.L % chunk_values(p.bits, true) == 0;
+         ok(p.M, p.c_sm) && p.L >= chunk_values(p.bits, true);
 }
 
 InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
@@ -108,7 +117,7 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
     return pl;
   }
   const int64_t max_len = unit * (kSmemBudget / stage_bytes(unit, pl.qt, pl.chunk, p.group_size));
-  pl.split_len = std::min(p.L, max_len);  // L is a multiple of G and of chunk, hence of unit
+  pl.split_len = std::min(p.L, max_len);  // all of L, or a multiple of unit (the last split takes the rest)
   const auto tpr_for = [&](int64_t len) { return std::min(32, next_pow2(ceil_div(len, pl.chunk))); };
   const int64_t bh = p.B * p.H_kv;
   const int64_t target = static_cast<int64_t>(kTargetBlocksPerSm) * std::max(p.num_sms, 1);
@@ -167,19 +176,16 @@ __device__ __forceinline__ void load_words(const uint32_t* __restrict__ src, uin
   }
 }
 
-// One lane step: chunk c (CB blocks of 32 values) of one row, against QT staged query rows.
-template <int BITS, QuantMode MODE, int QT, bool VEC>
-__device__ __forceinline__ void process_chunk(const uint32_t (&w)[chunk_blocks(BITS, VEC) * BITS], int c,
-                                              const float* __restrict__ xs, int xs_stride,
-                                              const float* __restrict__ xsum, int ngroups,
-                                              const uint16_t* __restrict__ srow, const uint16_t* __restrict__ zrow,
-                                              int bpg, float (&acc)[QT]) {
-  constexpr int kCB = chunk_blocks(BITS, VEC);
-  constexpr int kStride = chunk_values(BITS, VEC) + kChunkPad;
-  const int blk0 = c * kCB;  // first block of the chunk (within the split)
-  int g = blk0 / bpg;        // its group
-  int r = blk0 - g * bpg;    // its position in the group
-  const float* xc = xs + c * kStride;
+// One lane step: CB consecutive 32-value blocks of one row, starting at block blk0 of the split, whose staged
+// activations start at xc (query row q at xc + q * xs_stride), against QT query rows.
+template <int BITS, QuantMode MODE, int QT, int CB>
+__device__ __forceinline__ void process_blocks(const uint32_t (&w)[CB * BITS], int blk0, const float* __restrict__ xc,
+                                               int xs_stride, const float* __restrict__ xsum, int ngroups,
+                                               const uint16_t* __restrict__ srow, const uint16_t* __restrict__ zrow,
+                                               int bpg, float (&acc)[QT]) {
+  constexpr int kCB = CB;
+  int g = blk0 / bpg;      // the group of the first block
+  int r = blk0 - g * bpg;  // its position in the group
   float dot[QT];
 #pragma unroll
   for (int q = 0; q < QT; ++q) dot[q] = 0.f;
@@ -224,7 +230,8 @@ template <int BITS, QuantMode MODE, int QT, bool VEC>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(BITS, QT, VEC))
     gemv_inner_q_kernel(const GemvInnerQParams p, const InnerQLaunch k) {
   constexpr int kChunk = chunk_values(BITS, VEC);
-  constexpr int kWords = chunk_blocks(BITS, VEC) * BITS;
+  constexpr int kCB = chunk_blocks(BITS, VEC);
+  constexpr int kWords = kCB * BITS;
   constexpr int kStride = kChunk + kChunkPad;
   // Register double-buffering of codes pays where the kernel is memory-bound (few query rows); with 4-8 query
   // rows it is FMA-bound and the extra registers would only cost occupancy.
@@ -239,9 +246,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(BITS, QT, VEC))
   const int64_t gq = k.gq;
   const int64_t l0 = static_cast<int64_t>(blockIdx.y) * k.split_len;
   const int len = static_cast<int>(min(k.split_len, p.L - l0));
-  const int nchunks = len / kChunk;
+  const int nchunks = len / kChunk;  // whole vector chunks per row (VEC: then len % kChunk values, the tail)
   const int ngroups = len / G;
-  const int xs_stride = nchunks * kStride;  // floats per staged query row (a multiple of 4: float4 reads)
+  // floats per staged query row (a multiple of 4: float4 reads); the tail is staged unpadded after the chunks
+  const int xs_stride = nchunks * kStride + (len - nchunks * kChunk);
   float* xs = smem;                         // [QT][xs_stride]
   float* xsum = smem + QT * xs_stride;      // [QT][ngroups]
 
@@ -306,13 +314,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(BITS, QT, VEC))
 #pragma unroll
             for (int i = 0; i < kWords; ++i) cur[i] = next[i];
             if (c + tpr < nchunks) load_words<kWords, VEC>(crow + static_cast<int64_t>(c + tpr) * kWords, next);
-            process_chunk<BITS, MODE, QT, VEC>(cur, c, xs, xs_stride, xsum, ngroups, srow, zrow, bpg, acc);
+            process_blocks<BITS, MODE, QT, kCB>(cur, c * kCB, xs + c * kStride, xs_stride, xsum, ngroups, srow, zrow,
+                                                bpg, acc);
           }
         } else {
           for (int c = sub; c < nchunks; c += tpr) {
             uint32_t cur[kWords];
             load_words<kWords, VEC>(crow + static_cast<int64_t>(c) * kWords, cur);
-            process_chunk<BITS, MODE, QT, VEC>(cur, c, xs, xs_stride, xsum, ngroups, srow, zrow, bpg, acc);
+            process_blocks<BITS, MODE, QT, kCB>(cur, c * kCB, xs + c * kStride, xs_stride, xsum, ngroups, srow, zrow,
+                                                bpg, acc);
+          }
+        }
+        if constexpr (VEC) {  // the row's last len % chunk values: whole blocks, 32-bit loads
+          const int tail_blocks = (len - nchunks * kChunk) / 32;
+#pragma unroll 1
+          for (int tb = sub; tb < tail_blocks; tb += tpr) {
+            const int blk = nchunks * kCB + tb;
+            uint32_t cur[BITS];
+            load_words<BITS, false>(crow + static_cast<int64_t>(blk) * BITS, cur);
+            process_blocks<BITS, MODE, QT, 1>(cur, blk, xs + nchunks * kStride + tb * 32, xs_stride, xsum, ngroups,
+                                              srow, zrow, bpg, acc);
           }
         }
       }
@@ -356,6 +377,8 @@ cudaError_t launch_combine_splits(const float* ws, int splits, int64_t B, int64_
                                                                                y_st);
   return cudaGetLastError();
 }
+
+bool gemv_inner_q_vector_loads(const GemvInnerQParams& p) { return plan_inner_q(p).vec; }
 
 int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p) {
   if (p.B * p.H_q * p.T * p.M == 0 || p.L == 0) return 0;

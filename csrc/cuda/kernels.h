@@ -58,6 +58,8 @@ struct GemvInnerQParams {
 
 // fp32 workspace the launcher needs (0 when no split-K is planned). Deterministic in the params.
 int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p);
+// Whether launch_gemv_inner_q will read codes with 16-byte loads for these params (tests and diagnostics).
+bool gemv_inner_q_vector_loads(const GemvInnerQParams& p);
 cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ static void store_x(void* base, XDtype dt, int64_t i, float v, float& exact) {
 static size_t xsize(XDtype dt) { return dt == XDtype::kF32 ? 4 : 2; }
 
 void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t M, int64_t L, int bits, int G,
-                  QuantMode mode, XDtype dt, bool xscale, int cpad, int coff, int xpad, int num_sms, bool null_zeros) {
+                  QuantMode mode, XDtype dt, bool xscale, int cpad, int coff, int xpad, int num_sms, bool null_zeros,
+                  int expect_vec = -1) {
   const int64_t W = L * bits / 32, NG = L / G;
   // codes [B,H_kv,M, W+cpad] starting at coff; scales/zeros [B,H_kv,M,NG+3] at 1
   const int64_t c_sm = W + cpad, c_sh = M * c_sm, c_sb = H_kv * c_sh;
@@ -71,6 +72,11 @@ void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, i
   p.z_sb = s_sb; p.z_sh = s_sh; p.z_sm = s_sm;
   p.xs_sh = xs_sh;
   p.y_sb = H_q * T * M; p.y_sh = T * M; p.y_st = has_t ? M : 0;
+  const bool vec = gemv_inner_q_vector_loads(p);
+  if (expect_vec >= 0 && vec != (expect_vec != 0)) {
+    printf("inner_q: vector loads %d, expected %d\n", (int)vec, expect_vec);
+    res.cases++; res.fails++; return;
+  }
   int64_t wsf = gemv_inner_q_workspace_floats(p);
   std::unique_ptr<Buf<float>> ws;
   if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
@@ -219,6 +225,15 @@ int main(int argc, char** argv) {
     inner_q_case(1, 4, 1, 3, true, 3, 4032, 1, 96, QuantMode::kHybrid, XDtype::kF16, false, 4, 0, 0, 32, false);
     inner_q_case(1, 2, 1, 2, true, 70, 384, 4, 384, QuantMode::kAsym, XDtype::kF32, false, 0, 0, 0, 8, false);
     inner_q_case(1, 2, 1, 1, true, 3, 8192, 3, 2048, QuantMode::kHybrid, XDtype::kF32, false, 0, 0, 0, 64, false);
+    // 16-byte loads with a 32-bit tail (L not a multiple of the vector chunk, rows 16-byte aligned): split-K with the
+    // tail in the last split; L < 2 chunks; a G = 96 group straddling the last chunk and the tail; 1 and 2 bits
+    inner_q_case(1, 8, 2, 1, false, 16, 4000, 3, 32, QuantMode::kHybrid, XDtype::kF16, false, 1, 0, 0, 16, false, 1);
+    inner_q_case(1, 4, 1, 2, true, 37, 288, 3, 96, QuantMode::kAsym, XDtype::kBF16, true, 1, 0, 0, 8, false, 1);
+    inner_q_case(2, 4, 2, 1, false, 21, 96, 2, 32, QuantMode::kSym, XDtype::kF32, true, 2, 0, 0, 8, false, 1);
+    inner_q_case(1, 16, 2, 2, true, 9, 160, 1, 32, QuantMode::kHybrid, XDtype::kF16, false, 3, 0, 0, 8, false, 1);
+    // no whole chunk (L = 96 < 128 at 3 bits), or rows not 16-byte aligned: 32-bit loads throughout
+    inner_q_case(1, 4, 2, 1, false, 33, 96, 3, 32, QuantMode::kSym, XDtype::kF16, false, 1, 0, 0, 8, false, 0);
+    inner_q_case(1, 4, 2, 1, false, 33, 1056, 3, 32, QuantMode::kSym, XDtype::kF16, false, 2, 0, 0, 8, false, 0);
   }
   if (which == "kivi" || which == "all") {
     for (int bits = 1; bits <= 4; ++bits) kivi_case(1, 4, 2, 1, false, 37, 128, bits, 32, (XDtype)(bits % 3), 0, 0, 8);
