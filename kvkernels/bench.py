@@ -10,9 +10,10 @@ with h_kv = h // (H_q / H_kv) (GQA). Each method stores K and V differently:
     fp16           K, V fp16 [B, H_kv, N, D]; torch matmul (cuBLAS on GPU), query heads grouped per KV head
     dequant-kivi*  KIVI layout (below); kvkernels.dequantize_groups to fp32, then torch matmul: what
                    transformers' QuantizedCache does (dequantize the whole cache every step, then attend)
-    innerq-*       groups along each GEMV's reduction dim: keys [B, H_kv, N, D*3/32] (3-bit sym, groups along D),
+    innerq-*       groups along each GEMV's reduction dim: keys [B, H_kv, N, D*b/32] (groups along D),
                    values stored transposed [B, H_kv, D, N*b/32] (groups along tokens); kvkernels.gemv_inner_q
-                   base: V 3-bit sym; small: V 2-bit sym; hybrid: V 2-bit hybrid (1% asym groups by default)
+                   base: K/V 3-bit sym; small: K 3-bit sym, V 2-bit sym; hybrid: K 3-bit sym, V 2-bit hybrid
+                   (1% asym groups by default); asym4: K/V 4-bit asym, kivi4's bits in the InnerQ layout
     kivi2/4        keys per channel [B, H_kv, D, N*b/32] (groups along tokens), values per token
                    [B, H_kv, N, D*b/32] (groups along D), asym; kvkernels.gemv_kivi
 
@@ -94,6 +95,7 @@ METHODS: dict[str, Method] = {
         Method("innerq-base", "inner_q", 3, 3, "sym", "sym", "gemv_inner_q", "K 3b sym, V 3b sym"),
         Method("innerq-small", "inner_q", 3, 2, "sym", "sym", "gemv_inner_q", "K 3b sym, V 2b sym"),
         Method("innerq-hybrid", "inner_q", 3, 2, "sym", "hybrid", "gemv_inner_q", "K 3b sym, V 2b hybrid"),
+        Method("innerq-asym4", "inner_q", 4, 4, "asym", "asym", "gemv_inner_q", "K 4b asym, V 4b asym (kivi4's bits)"),
         Method("kivi2", "kivi", 2, 2, "asym", "asym", "gemv_kivi", "K 2b per-channel, V 2b per-token"),
         Method("kivi4", "kivi", 4, 4, "asym", "asym", "gemv_kivi", "K 4b per-channel, V 4b per-token"),
     )

@@ -187,11 +187,11 @@ class _QuantizedLayerCache:
         # resolved through a tensor so "cuda" compares equal to the tensors' "cuda:0"
         self.device, self.dtype = torch.empty(0, device=device).device, dtype
         self.w_sink, self.w_recent = config.w_sink, config.w_recent
-        eta = getattr(config, "eta", 0.0)
         qcap = max(capacity - self.w_sink - self.w_recent, G)
         args = (batch, num_kv_heads, head_dim, qcap, self.device)
-        self.key_store = QuantStore(key_layout, config.key_bits, G, config.key_mode, eta, *args)
-        self.value_store = QuantStore(value_layout, config.value_bits, G, config.value_mode, eta, *args)
+        kmode, vmode = config.key_mode, config.value_mode
+        self.key_store = QuantStore(key_layout, config.key_bits, G, kmode, config.eta_for(kmode), *args)
+        self.value_store = QuantStore(value_layout, config.value_bits, G, vmode, config.eta_for(vmode), *args)
         # the sink is preallocated (it never moves); tails are re-concatenated on append (O(window))
         self._sink_k = torch.zeros(batch, num_kv_heads, self.w_sink, head_dim, dtype=dtype, device=self.device)
         self._sink_v = torch.zeros_like(self._sink_k)

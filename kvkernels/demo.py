@@ -26,7 +26,18 @@ from .formats import PRESETS, InnerQConfig, effective_bits
 # or huggingface_hub, and parts 1 and 3 import transformers lazily, after this. An explicit setting wins.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-METHODS = ("innerq_base", "innerq_small", "innerq_hybrid", "kivi2", "kivi4", "kivi1_eta")
+# InnerQ-layout rows first, then KIVI; equal average bits pair up: innerq_small / kivi2 (3.0), innerq_asym4 / kivi4
+# (5.0), innerq_asym1_eta / kivi1_eta (2.0)
+METHODS = (
+    "innerq_base",
+    "innerq_small",
+    "innerq_hybrid",
+    "innerq_asym4",
+    "innerq_asym1_eta",
+    "kivi2",
+    "kivi4",
+    "kivi1_eta",
+)
 
 TEXT = (
     "The printing press changed how knowledge moved through Europe. Before it, a book was copied by hand, one "

@@ -39,6 +39,11 @@ def _check_window(name: str, w) -> None:
         raise ValueError(f"{name} must be an integer >= 0, got {w!r}")
 
 
+def _check_eta(eta) -> None:
+    if not isinstance(eta, (int, float)) or isinstance(eta, bool) or not 0.0 <= eta < 0.5:
+        raise ValueError(f"eta must be a number in [0, 0.5), got {eta!r}")
+
+
 @dataclass(frozen=True)
 class InnerQConfig:
     """InnerQ cache format.
@@ -50,6 +55,9 @@ class InnerQConfig:
               to w_recent + G - 1 values are fp16.
     key_norm: per-channel key normalization (paper 4.3): quantized keys are stored as K / norm with
               norm[h, c] = sqrt(max |K[:, h, :, c]|) over the prefill, and queries are scaled by norm.
+    eta:      asym calibration in [0, 0.5) for the tensors whose mode is "asym" (as KIVIConfig.eta; sym and
+              hybrid tensors ignore it). Not in the InnerQ paper: it lets the InnerQ layout be compared with
+              KIVI's 1-bit calibrated format at the same bits.
     """
 
     key_bits: int = 3
@@ -60,6 +68,7 @@ class InnerQConfig:
     w_sink: int = 32
     w_recent: int = 96
     key_norm: bool = True
+    eta: float = 0.0
 
     def __post_init__(self):
         _check_bits("key_bits", self.key_bits)
@@ -71,6 +80,13 @@ class InnerQConfig:
         _check_window("w_recent", self.w_recent)
         if not isinstance(self.key_norm, bool):
             raise ValueError(f"key_norm must be a bool, got {self.key_norm!r}")
+        _check_eta(self.eta)
+        if self.eta and "asym" not in (self.key_mode, self.value_mode):
+            raise ValueError(f"eta={self.eta} applies to asym tensors, but key_mode and value_mode are not asym")
+
+    def eta_for(self, mode: str) -> float:
+        """The calibration a tensor quantized in `mode` is written with (eta for asym, else 0)."""
+        return float(self.eta) if mode == "asym" else 0.0
 
 
 @dataclass(frozen=True)
@@ -96,8 +112,11 @@ class KIVIConfig:
         _check_group_size(self.group_size)
         _check_window("residual", self.residual)
         _check_window("w_sink", self.w_sink)
-        if not isinstance(self.eta, (int, float)) or isinstance(self.eta, bool) or not 0.0 <= self.eta < 0.5:
-            raise ValueError(f"eta must be a number in [0, 0.5), got {self.eta!r}")
+        _check_eta(self.eta)
+
+    def eta_for(self, mode: str) -> float:
+        """The calibration a tensor is written with: KIVI is asym for both tensors."""
+        return float(self.eta)
 
     # Uniform view used by the caches and effective_bits: KIVI is asym for both tensors.
     @property
@@ -121,10 +140,16 @@ class KIVIConfig:
         return self.residual
 
 
+# The InnerQ paper's three presets, KIVI at 2 and 4 bits and SpeCache's calibrated 1 bit, and two of ours: the InnerQ
+# layout (groups along each GEMV's reduction dim, windows, key normalization) with KIVI's quantizer at KIVI's
+# bits, so each KIVI row has an InnerQ-layout row at the same effective bits (3.0: innerq_small vs kivi2; 5.0:
+# innerq_asym4 vs kivi4; 2.0: innerq_asym1_eta vs kivi1_eta).
 PRESETS: dict[str, InnerQConfig | KIVIConfig] = {
     "innerq_base": InnerQConfig(key_bits=3, key_mode="sym", value_bits=3, value_mode="sym"),
     "innerq_small": InnerQConfig(key_bits=3, key_mode="sym", value_bits=2, value_mode="sym"),
     "innerq_hybrid": InnerQConfig(key_bits=3, key_mode="sym", value_bits=2, value_mode="hybrid"),
+    "innerq_asym4": InnerQConfig(key_bits=4, key_mode="asym", value_bits=4, value_mode="asym"),
+    "innerq_asym1_eta": InnerQConfig(key_bits=1, key_mode="asym", value_bits=1, value_mode="asym", eta=0.25),
     "kivi2": KIVIConfig(bits=2),
     "kivi4": KIVIConfig(bits=4),
     "kivi1_eta": KIVIConfig(bits=1, eta=0.25),
@@ -167,7 +192,7 @@ def effective_bits(config: InnerQConfig | KIVIConfig) -> EffectiveBits:
     """Bits per quantized key/value including fp16 group metadata; windows reported separately.
 
     Example (G=32, any head_dim): innerq_base K 3.5 / V 3.5; innerq_small 3.5 / 2.5; innerq_hybrid 3.5 / 3.0;
-    kivi2 3.0 / 3.0; kivi4 5.0 / 5.0; kivi1_eta 2.0 / 2.0.
+    innerq_asym4 5.0 / 5.0; innerq_asym1_eta 2.0 / 2.0; kivi2 3.0 / 3.0; kivi4 5.0 / 5.0; kivi1_eta 2.0 / 2.0.
     """
     if not isinstance(config, (InnerQConfig, KIVIConfig)):
         raise TypeError(f"config must be an InnerQConfig or KIVIConfig, got {type(config).__name__}")

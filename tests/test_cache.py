@@ -63,6 +63,8 @@ CONFIGS["kivi_sink_small_w"] = SMALL_KIVI
         (lambda: InnerQConfig(group_size=0), "group_size"),
         (lambda: InnerQConfig(w_sink=-1), "w_sink"),
         (lambda: InnerQConfig(w_recent=-3), "w_recent"),
+        (lambda: InnerQConfig(eta=0.25), "eta=0.25 applies to asym tensors"),  # both tensors sym
+        (lambda: InnerQConfig(key_mode="asym", eta=0.5), "eta"),
         (lambda: KIVIConfig(bits=8), "bits"),
         (lambda: KIVIConfig(eta=0.5), "eta"),
         (lambda: KIVIConfig(eta=-0.1), "eta"),
@@ -80,6 +82,8 @@ def test_effective_bits_of_presets():
         "innerq_base": (3.5, 3.5, 3.5),
         "innerq_small": (3.5, 2.5, 3.0),
         "innerq_hybrid": (3.5, 3.0, 3.25),
+        "innerq_asym4": (5.0, 5.0, 5.0),
+        "innerq_asym1_eta": (2.0, 2.0, 2.0),
         "kivi2": (3.0, 3.0, 3.0),
         "kivi4": (5.0, 5.0, 5.0),
         "kivi1_eta": (2.0, 2.0, 2.0),
@@ -223,7 +227,6 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
     s = cnt["sink"]
     G = config.group_size
     innerq = isinstance(config, InnerQConfig)
-    eta = getattr(config, "eta", 0.0)
     for name, x, X, layout, bits, mode in (
         ("key", k, K, "rows" if innerq else "cols", config.key_bits, config.key_mode),
         ("value", v, V, "cols" if innerq else "rows", config.value_bits, config.value_mode),
@@ -235,6 +238,7 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
         xq = x[:, :, s : s + m].float()
         norm = c.key_norm[None, :, None, :] if (innerq and name == "key") else torch.ones(())
         src = (xq / norm) if layout == "rows" else (xq / norm).transpose(2, 3)
+        eta = config.eta_for(mode)
         codes, scales, zeros = kvkernels.quantize_groups(src, bits, G, mode, eta)
         want = kvkernels.dequantize_groups(codes, scales, zeros, bits, G, mode)
         want = (want if layout == "rows" else want.transpose(2, 3)) * norm

@@ -8,8 +8,9 @@ Usage::
     cache = KVKernelsCache("innerq_base", config=model.config)   # overrides: group_size=, w_sink=, w_recent=, bits=...
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
-Methods: the presets of kvkernels.formats.PRESETS (innerq_base, innerq_small, innerq_hybrid, kivi2, kivi4,
-kivi1_eta), and "fp16", an unquantized pass-through (the model's dtype) for comparisons.
+Methods: the presets of kvkernels.formats.PRESETS (innerq_base, innerq_small, innerq_hybrid, innerq_asym4,
+innerq_asym1_eta, kivi2, kivi4, kivi1_eta), and "fp16", an unquantized pass-through (the model's dtype) for
+comparisons.
 
 The handoff between the cache and the attention function
 --------------------------------------------------------
@@ -118,7 +119,7 @@ def method_config(method: str, **overrides) -> InnerQConfig | KIVIConfig | None:
     """The format of `method` with overrides applied (None for "fp16", which ignores quantization overrides).
 
     Overrides are the config's fields (InnerQConfig: key_bits, key_mode, value_bits, value_mode, group_size,
-    w_sink, w_recent, key_norm; KIVIConfig: bits, group_size, residual, eta, w_sink), plus two aliases so one set
+    w_sink, w_recent, key_norm, eta; KIVIConfig: bits, group_size, residual, eta, w_sink), plus two aliases so one set
     of overrides fits every method: `bits` sets key_bits and value_bits (InnerQ), `w_recent` sets residual (KIVI).
     """
     if method == "fp16":
