@@ -121,6 +121,15 @@ def test_opcheck(name):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(_opcheck_cases()))
+def test_opcheck_on_cuda_whatever_serves_it(name):
+    # the same cases on CUDA tensors, through whichever implementation is registered for CUDA: the compiled
+    # kernels, or in a build without them the Triton kernels (kvkernels.ops.CUDA_IMPL says which)
+    op, args = _opcheck_cases()[name]
+    torch.library.opcheck(op, tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+
+
 def test_every_schema_has_an_opcheck_case():
     schemas = {n for n in kvkernels.ops.OPS}
     covered = {name.removesuffix("_xscale") for name in _opcheck_cases()}
