@@ -7,11 +7,11 @@
 // (query row, group), computed once and shared by every row m. Each row is read once and serves all the tile's
 // query rows: codes are never expanded per query head. More than 8 query rows (GQA ratio x q_len) loop over 8-row
 // tiles inside the block, which re-reads its rows once per tile, right after the previous pass (a few KiB per
-// block, so from L1/L2 rather than DRAM; not yet measured on a GPU). Rows are split over `tpr` lanes (a power of two <= 32,
-// so a row never straddles warps); each lane decodes whole 16-byte chunks of codes in registers (a row's last
-// L % chunk values, whole 32-value blocks, with 32-bit loads), keeps one
-// running dot per query row and folds it in with one FMA by s_g per group (plus zeff_g * xsum_g once per group,
-// by the lane holding the group's first block). Lanes of a row are combined with a butterfly shuffle.
+// block, so from L1/L2 rather than DRAM; not yet measured on a GPU). Rows are split over `tpr` lanes (a power of
+// two <= 32, so a row never straddles warps); each lane decodes whole 16-byte chunks of codes in registers (a
+// row's last L % chunk values, whole 32-value blocks, with 32-bit loads), keeps one running dot per query row and
+// folds it in with one FMA by s_g per group (plus zeff_g * xsum_g once per group, by the lane holding the group's
+// first block). Lanes of a row are combined with a butterfly shuffle.
 //
 // Batch-1 occupancy: keys (M = tokens, L = head_dim) get many row tiles; values (M = head_dim, L = tokens) get
 // L split across blocks (split-K) into a workspace, then combine_splits sums the splits in a fixed order, so the

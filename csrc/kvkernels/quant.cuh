@@ -99,8 +99,6 @@ KVK_HD float round_half_even(float v) {
 #endif
 }
 
-KVK_HD float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
-
 // Code of a quantized value: clamp to [0, qmax], and NaN (a non-finite group: inf / inf, or inf - inf) to 0, so the
 // float -> integer conversion is always defined. Such a group's scale is NaN or Inf, so it reads back non-finite.
 KVK_HD float clamp_code(float v, float qmax) { return v >= 0.f ? (v <= qmax ? v : qmax) : 0.f; }
