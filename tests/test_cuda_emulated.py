@@ -46,7 +46,9 @@ def driver() -> Path:
     return drv
 
 
-@pytest.mark.parametrize("which", ["iq", "kivi", "q"], ids=["gemv_inner_q", "gemv_kivi", "quantize_groups_into"])
+@pytest.mark.parametrize(
+    "which", ["decode", "iq", "kivi", "q"], ids=["mma_decoders", "gemv_inner_q", "gemv_kivi", "quantize_groups_into"]
+)
 def test_cuda_kernel_under_emulation(driver, which):
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")
     proc = subprocess.run([str(driver), which], capture_output=True, text=True, timeout=600, env=env)

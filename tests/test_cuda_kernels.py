@@ -3,8 +3,9 @@
 Skipped (with the reason) without a GPU or without a CUDA build of kvkernels._C. The reference is computed in
 fp32 on the CPU. GEMV tolerance: |y - ref| <= rtol * mag + atol, where mag = sum_l |x * x_scale| * |deq(w)| is
 the magnitude the sum is made of (a relative-to-|ref| bound is meaningless where terms cancel). The kernels read
-x exactly (fp16/bf16 -> fp32 is exact) and accumulate in fp32, so the differences are only summation order and
-the hoisted s * dot + zeff * xsum form: ~1e-6 of mag, checked with 100x headroom.
+x exactly and split it into fp16 hi + lo after a power-of-two prescale (~2^-22), decode codes exactly and accumulate
+in fp32: InnerQ differs by ~1e-6 of mag (checked with 100x headroom); KIVI also rounds s * u + z to fp16 once, up to
+2^-11 of mag (checked at 2^-10). docs/FORMATS.md, "GEMV arithmetic", states the contract.
 Storage ops (quantize, dequantize, pack, unpack) must be bit-identical to the C++ CPU ops.
 """
 
@@ -65,8 +66,14 @@ def _to_cuda(*ts, narrow=False, misalign=False):
     return out
 
 
-def _assert_gemv_close(y, ref, mag, dtype):
+# gemv_kivi dequantizes to fp16 before the tensor cores (docs/FORMATS.md, "GEMV arithmetic"): each term is off by at
+# most half an fp16 ulp of deq, 2^-11 of |x| |deq|; checked at twice that
+KIVI_DEQ_RTOL = 2.0**-10
+
+
+def _assert_gemv_close(y, ref, mag, dtype, rtol_min=0.0):
     rtol, atol = GEMV_TOL[dtype]
+    rtol = max(rtol, rtol_min)
     assert y.shape == ref.shape and y.dtype == torch.float32
     err = (y.cpu() - ref).abs()
     bound = rtol * mag + atol
@@ -230,7 +237,7 @@ def _kivi_case(B, H_q, H_kv, T, R, C, bits, G, dtype, narrow, misalign=False, se
     if misalign:
         (cc,) = _to_cuda(codes, misalign=True)
     y = torch.ops.kvkernels.gemv_kivi(xc, cc, sc, zc, bits, G)
-    _assert_gemv_close(y, ref, mag, dtype)
+    _assert_gemv_close(y, ref, mag, dtype, rtol_min=KIVI_DEQ_RTOL)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

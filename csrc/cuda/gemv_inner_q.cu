@@ -1,22 +1,26 @@
-// InnerQ fused dequant-GEMV (groups along the reduction dim L):
+// InnerQ fused dequant-GEMV on tensor cores (groups along the reduction dim L):
 //   y[b, h, t, m] = sum_l xs[b, h, t, l] * (s_g * u[b, h_kv, m, l] + zeff_g),   xs = x * x_scale[h_kv, :]
-//                 = sum_g ( s_g * dot(xs_g, u_g) + zeff_g * xsum_g ),           xsum_g = sum_{l in g} xs_l
+//                 = sum_blocks ( s_g * dot(xs_blk, u_blk) + zeff_g * sum(xs_blk) )  (32-value blocks, g = group)
 //
-// Block = (row tile of M, split of L, (b, h_kv)). It stages xs for a tile of up to 8 query rows (all query
-// heads of the KV head times the launch's T rows) in shared memory as fp32, together with xsum per
-// (query row, group), computed once and shared by every row m. Each row is read once and serves all the tile's
-// query rows: codes are never expanded per query head. More than 8 query rows (GQA ratio x q_len) loop over 8-row
-// tiles inside the block, which re-reads its rows once per tile, right after the previous pass (a few KiB per
-// block, so from L1/L2 rather than DRAM; not yet measured on a GPU). Rows are split over `tpr` lanes (a power of
-// two <= 32, so a row never straddles warps); each lane decodes whole 16-byte chunks of codes in registers (a
-// row's last L % chunk values, whole 32-value blocks, with 32-bit loads), keeps one running dot per query row and
-// folds it in with one FMA by s_g per group (plus zeff_g * xsum_g once per group, by the lane holding the group's
-// first block). Lanes of a row are combined with a butterfly shuffle.
+// Each warp runs m16n8k16 MMAs with A = 16 code rows (exact fp16 integers, decoded two per LOP3 + HFMA2,
+// csrc/kvkernels/mma.cuh) and B = the query rows of the KV head: 8 columns = 4 query rows x (hi, lo), the fp16
+// split of the fp32 activations (pre-scaled per query row by a power of two). One block = two MMAs, whose fp32
+// result is folded into the row's accumulator with the block's scale (and zeff * xsum for asym / hybrid), so every
+// product and sum after the code decode is fp32: the numerical contract of docs/FORMATS.md ("GEMV arithmetic").
+// Per thread and block: 8 values of each of two rows (v = 8t + i, t = lane % 4), see decode_inner_q.
 //
-// Batch-1 occupancy: keys (M = tokens, L = head_dim) get many row tiles; values (M = head_dim, L = tokens) get
-// L split across blocks (split-K) into a workspace, then combine_splits sums the splits in a fixed order, so the
-// result is deterministic. The plan (plan_inner_q) is a pure function of the params, so the binding sizes the
-// workspace with the same rule the launcher uses.
+// CTA = (row block of M, split of L, (b, h_kv)), 32-256 threads. The CTA stages its query tile once: per query
+// row the absolute maximum (-> scale 2^e), then per (n-tile, block, lane) the 16-byte B fragment, laid out so a
+// lane reads its own with one conflict-free 16-byte shared load; plus sum(xs) per (query row, block) when the
+// mode has zero points. Warps then walk 16-row tiles; along L a warp reads 4 blocks (128 values) of its two rows
+// per step with 16-byte loads (bits 1-3, 16-byte-aligned rows; 4 bits reads the one word it needs per block),
+// double-buffered in registers, and the row's last L % 128 values block by block with 32-bit loads.
+// More query rows than one tile (GQA ratio x q_len > 16) loop over tiles, re-reading the codes from L2.
+//
+// Planning (plan_inner_q, a pure function of the params and the device's occupancy, so the binding sizes the
+// workspace with the rule the launcher uses): one wave = resident CTAs per SM x SMs. Keys (M = tokens) get row
+// blocks; values (M = head_dim, L = tokens) split L into whole 128-value chunks only while (B x H_kv x row blocks)
+// is below one wave, and combine_splits sums the splits in a fixed order (deterministic).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +28,7 @@
 #include <cstdio>
 
 #include "kvkernels/gemv.cuh"
+#include "kvkernels/mma.cuh"
 
 namespace kvk {
 
@@ -45,323 +50,580 @@ void set_launch_error(const char* fmt, ...) {
 
 namespace {
 
-// ---- tiling constants (why each value: see the comment next to it) ----------------------------------------------
-constexpr int kThreads = 256;               // 8 warps: enough rows in flight per block, fits 2+ blocks per SM
-constexpr int kSmemBudget = 40 * 1024;      // x tile + xsum; under the 48 KiB default, so no opt-in attribute
-constexpr int64_t kMinSplitValues = 1024;   // below this a split's x staging costs more than its codes
-constexpr int kTargetBlocksPerSm = 4;       // ~2 waves of 2 resident blocks: hides the tail at batch 1
-constexpr int64_t kMaxTPerLaunch = 16;      // query rows per head per launch (q_len > 16 loops in the launcher)
-constexpr int kChunkPad = 4;                // floats of padding per chunk in smem: lanes of a row read
-                                            // consecutive chunks, the pad shifts them to distinct banks
+// ---- tiling constants -------------------------------------------------------------------------------------------
+constexpr int kMaxWarps = 8;              // 16 rows per warp: a 128-row value store is one CTA
+constexpr int kChunkBlocks = 4;           // blocks per main-loop step: 48 bytes of a 3-bit row = three 16-byte loads
+constexpr int kChunk = 32 * kChunkBlocks;
+constexpr int kSmemBudget = 40 * 1024;    // staged query tile; under the 48 KiB default, so no opt-in attribute
+constexpr int64_t kMinSplitValues = 1024; // below this a split's staging and partial sums cost more than its codes
+constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch (q_len > 16 loops in the launcher)
+constexpr int kFragBytes = 16;            // B fragment of one lane, block and n-tile: pairs P0..P3 of one column
+constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
 
-// Resident blocks per SM promised to ptxas via __launch_bounds__, i.e. the register cap (65536 / 256 / n).
-// Left alone, ptxas squeezes some instantiations to 64 registers and spills; these caps are the tightest that
-// compile without spills on sm_80/87/90 (.ci/nvcc_check.sh): 1 query row ~80 registers (3 blocks), 2-4 rows
-// 128 (2 blocks); left uncapped (1 block, FMA-bound anyway): the 12-word 3-bit vector chunk with >= 4 rows,
-// 8 rows at 1 or 3 bits (their 4-block chunks unroll to 1024 FMAs), and 8 rows with vector loads at any width
-// (the 32-bit tail path puts 2 and 4 bits a register or two over 128; with 8 rows every code byte feeds >= 16
-// FMAs, above the H100's ~10 FMA per DRAM byte, so these run compute-bound and occupancy matters less).
-__host__ __device__ constexpr int min_blocks_per_sm(int bits, int qt, bool vec) {
-  if (qt == 1) return 3;
-  if (bits == 3 && vec && qt >= 4) return 1;
-  if (qt == 8 && (bits == 1 || bits == 3 || vec)) return 1;
-  return 2;
-}
-
-// Values one lane decodes per step: 16 bytes of codes (lcm(4, bits) words for 3 bits) when vectorized, else
-// one 32-value block read with 32-bit loads.
-__host__ __device__ constexpr int chunk_blocks(int bits, bool vec) { return vec ? (bits == 3 ? 4 : 4 / bits) : 1; }
-__host__ __device__ constexpr int chunk_values(int bits, bool vec) { return 32 * chunk_blocks(bits, vec); }
-
-struct InnerQPlan {
-  bool vec;                 // 16-byte code loads
-  int chunk;                // values per lane step
-  int qt;                   // query rows per register tile
-  int64_t t_chunk;          // query rows per head per launch
-  int64_t split_len;        // L values per block (multiple of lcm(G, chunk))
-  int64_t num_splits;       // blocks along L
-  int tpr;                  // lanes per row
-  int64_t rows_per_block;   // M rows per block (multiple of kThreads / tpr)
-  int64_t row_blocks;       // blocks along M
-  size_t smem_bytes;        // dynamic shared memory
-  int64_t workspace_floats; // split-K workspace (0 without split)
-  const char* error;        // non-null: unsupported configuration
-};
-
-size_t stage_bytes(int64_t len, int qt, int chunk, int group_size) {
-  const int64_t padded = len + kChunkPad * (len / chunk);
-  return static_cast<size_t>(qt) * static_cast<size_t>(padded + len / group_size) * sizeof(float);
-}
-
-// 16-byte code loads need 16-byte aligned rows and at least one whole vector chunk per row. L itself need not be a
-// multiple of the chunk: the last (L % chunk) values of a row, whole 32-value blocks, are read with 32-bit loads.
-// (The InnerQ value store grows by G = 32 tokens, so its L is a multiple of the 128-value 3-bit chunk only one
-// step in four; requiring it would put most value GEMVs on the narrow path.)
-bool codes_aligned_16(const GemvInnerQParams& p) {
-  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
-  return reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) &&
-         ok(p.M, p.c_sm) && p.L >= chunk_values(p.bits, true);
-}
-
-InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
-  InnerQPlan pl{};
-  const int64_t gq = p.H_q / p.H_kv;
-  pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
-  pl.qt = pick_query_tile(gq * pl.t_chunk);
-  pl.vec = codes_aligned_16(p);
-  pl.chunk = chunk_values(p.bits, pl.vec);
-  const int64_t unit = lcm64(p.group_size, pl.chunk);  // splits hold whole groups and whole chunks
-  while (stage_bytes(unit, pl.qt, pl.chunk, p.group_size) > kSmemBudget && pl.qt > 1) pl.qt /= 2;
-  if (stage_bytes(unit, pl.qt, pl.chunk, p.group_size) > kSmemBudget) {
-    pl.error = "group_size too large for the shared-memory x tile";
-    return pl;
-  }
-  const int64_t max_len = unit * (kSmemBudget / stage_bytes(unit, pl.qt, pl.chunk, p.group_size));
-  pl.split_len = std::min(p.L, max_len);  // all of L, or a multiple of unit (the last split takes the rest)
-  const auto tpr_for = [&](int64_t len) { return std::min(32, next_pow2(ceil_div(len, pl.chunk))); };
-  const int64_t bh = p.B * p.H_kv;
-  const int64_t target = static_cast<int64_t>(kTargetBlocksPerSm) * std::max(p.num_sms, 1);
-  // 1) split L while that still leaves whole-unit splits of useful length (values: few rows, long L)
-  pl.num_splits = ceil_div(p.L, pl.split_len);
-  while (pl.num_splits * bh < target) {
-    const int64_t half = round_up(ceil_div(pl.split_len, 2), unit);
-    if (half >= pl.split_len || half < std::max(kMinSplitValues, unit)) break;
-    pl.split_len = half;
-    pl.num_splits = ceil_div(p.L, pl.split_len);
-  }
-  pl.tpr = tpr_for(pl.split_len);
-  const int64_t rows_per_pass = kThreads / pl.tpr;
-  // 2) then tile M (keys: many rows, short L)
-  pl.rows_per_block = round_up(std::max<int64_t>(p.M, 1), rows_per_pass);
-  while (ceil_div(p.M, pl.rows_per_block) * pl.num_splits * bh < target) {
-    const int64_t half = round_up(ceil_div(pl.rows_per_block, 2), rows_per_pass);
-    if (half >= pl.rows_per_block) break;
-    pl.rows_per_block = half;
-  }
-  pl.row_blocks = ceil_div(p.M, pl.rows_per_block);
-  pl.smem_bytes = stage_bytes(pl.split_len, pl.qt, pl.chunk, p.group_size);
-  pl.workspace_floats = pl.num_splits > 1 ? pl.num_splits * p.B * p.H_q * pl.t_chunk * p.M : 0;
-  if (pl.row_blocks > 0x7fffffff || pl.num_splits > 65535 || bh > 65535) pl.error = "grid too large";
-  return pl;
+// Shared memory of a CTA staging `len` values for NT n-tiles (4 query rows each).
+size_t stage_bytes(int64_t len, int nt, QuantMode mode) {
+  const int64_t nblk = len / 32, qr = 4 * static_cast<int64_t>(nt);
+  const int64_t xsum = mode == QuantMode::kSym ? 0 : qr * nblk;
+  const int64_t zfrag = mode == QuantMode::kSym ? 0 : nt * (len / kChunk) * 32 * 8;  // zero-MMA B fragments
+  return static_cast<size_t>(nt * nblk * 32 * kFragBytes + zfrag + (xsum + 2 * qr) * 4);
 }
 
 struct InnerQLaunch {
   int64_t t0;              // first query row (of T) handled by this launch
   int tc;                  // query rows per head in this launch (<= kMaxTPerLaunch)
   int gq;                  // query heads per KV head
-  int qb;                  // query rows per block = (H_q / H_kv) * tc
-  int64_t split_len;       // L values per split
-  int groups_per_split;    // split_len / G   (host-side, so the kernel needs no 64-bit division)
-  int blocks_per_split;    // split_len / 32
-  int tpr;                 // lanes per row
-  int64_t rows_per_block;  // M rows per block
+  int qb;                  // query rows per CTA = gq * tc
+  int64_t split_len;       // L values per split (a multiple of kChunk unless it is all of L)
+  int64_t rows_per_block;  // M rows per CTA (a multiple of 16)
+  int bpg;                 // blocks per group, G / 32
+  uint32_t bpg_magic;      // ceil(2^32 / bpg): group of block n = umulhi(n, magic) (bpg > 1)
+  DecodeConsts dec;        // the decoder's constants for (bits, mode), read from constant memory
   OutView out;             // y, or the split-K workspace
 };
 
-template <int WORDS, bool VEC>
-__device__ __forceinline__ void load_words(const uint32_t* __restrict__ src, uint32_t (&w)[WORDS]) {
-  if constexpr (VEC) {
-    static_assert(WORDS % 4 == 0, "vector chunks are whole 16-byte words");
+// ---- codes -> canonical words (mma.cuh) for one row ------------------------------------------------------------------
+// Raw words of one main-loop step (kChunkBlocks blocks) of one row.
+template <int BITS, bool VEC>
+struct ChunkWords {
+  // 4 bits: the thread's own word of each block; VEC: the whole 16 * BITS bytes; else the words each block needs
+  static constexpr int kWords = BITS == 4 ? kChunkBlocks : (VEC ? kChunkBlocks * BITS : kChunkBlocks * (BITS == 3 ? 3 : 1));
+  uint32_t w[kWords];
+};
+
+template <int BITS, bool VEC>
+__device__ __forceinline__ void load_chunk(ChunkWords<BITS, VEC>& c, const uint32_t* __restrict__ row, int t) {
+  if constexpr (BITS == 4) {
 #pragma unroll
-    for (int i = 0; i < WORDS / 4; ++i) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
-      w[4 * i + 0] = v.x;
-      w[4 * i + 1] = v.y;
-      w[4 * i + 2] = v.z;
-      w[4 * i + 3] = v.w;
+    for (int j = 0; j < kChunkBlocks; ++j) c.w[j] = __ldg(row + 4 * j + t);
+  } else if constexpr (VEC) {
+#pragma unroll
+    for (int i = 0; i < kChunkBlocks * BITS / 4; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(row) + i);
+      c.w[4 * i] = v.x, c.w[4 * i + 1] = v.y, c.w[4 * i + 2] = v.z, c.w[4 * i + 3] = v.w;
     }
+  } else if constexpr (BITS == 3) {
+#pragma unroll
+    for (int i = 0; i < 3 * kChunkBlocks; ++i) c.w[i] = __ldg(row + i);
+  } else {  // 1 and 2 bits: the one word holding the thread's 8 values of each block
+#pragma unroll
+    for (int j = 0; j < kChunkBlocks; ++j) c.w[j] = __ldg(row + BITS * j + (BITS == 2 ? (t >> 1) : 0));
+  }
+}
+
+// Canonical words of block j (compile-time) of a loaded chunk. sel_lo / sel_hi: prmt selectors of this thread.
+template <int BITS, bool VEC>
+__device__ __forceinline__ void gather_chunk(const ChunkWords<BITS, VEC>& c, int j, uint32_t sel_lo, uint32_t sel_hi,
+                                             uint32_t& X, uint32_t& Xh) {
+  if constexpr (BITS == 4) {
+    X = c.w[j];
+  } else if constexpr (BITS == 3) {
+    X = prmt(c.w[3 * j], c.w[3 * j + 1], sel_lo);
+    Xh = prmt(c.w[3 * j + 2], c.w[3 * j + 2], sel_hi);
+  } else if constexpr (BITS == 2) {
+    X = VEC ? prmt(c.w[2 * j], c.w[2 * j + 1], sel_lo) : prmt(c.w[j], c.w[j], sel_lo);
   } else {
-#pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = __ldg(src + i);
+    X = prmt(c.w[j], c.w[j], sel_hi);
   }
 }
 
-// One lane step: CB consecutive 32-value blocks of one row, starting at block blk0 of the split, whose staged
-// activations start at xc (query row q at xc + q * xs_stride), against QT query rows.
-template <int BITS, QuantMode MODE, int QT, int CB>
-__device__ __forceinline__ void process_blocks(const uint32_t (&w)[CB * BITS], int blk0, const float* __restrict__ xc,
-                                               int xs_stride, const float* __restrict__ xsum, int ngroups,
-                                               const uint16_t* __restrict__ srow, const uint16_t* __restrict__ zrow,
-                                               int bpg, float (&acc)[QT]) {
-  constexpr int kCB = CB;
-  int g = blk0 / bpg;      // the group of the first block
-  int r = blk0 - g * bpg;  // its position in the group
-  float dot[QT];
+// One block of one row with 32-bit loads (the row's tail, and rows too short for a chunk).
+template <int BITS>
+__device__ __forceinline__ void load_gather_block(const uint32_t* __restrict__ blk, int t, uint32_t sel_lo,
+                                                  uint32_t sel_hi, uint32_t& X, uint32_t& Xh) {
+  Xh = 0u;
+  if constexpr (BITS == 4) {
+    X = __ldg(blk + t);
+  } else if constexpr (BITS == 3) {
+    X = prmt(__ldg(blk), __ldg(blk + 1), sel_lo);
+    const uint32_t h = __ldg(blk + 2);
+    Xh = prmt(h, h, sel_hi);
+  } else if constexpr (BITS == 2) {
+    const uint32_t w = __ldg(blk + (t >> 1));
+    X = prmt(w, w, sel_lo);
+  } else {
+    const uint32_t w = __ldg(blk);
+    X = prmt(w, w, sel_hi);
+  }
+}
+
+// ---- one block of the two rows: decode, 2 MMAs per n-tile, fold ------------------------------------------------------
+// sym decodes to the signed levels u - 2^(b-1) (no zero term); asym and hybrid decode u and add zeff * sum(x): in the
+// main loop as one "zero MMA" per chunk (zero_mma below), in the tail per block in fp32 (ZFOLD).
+template <int BITS, QuantMode MODE>
+__host__ __device__ constexpr int decode_offset() {
+  return MODE == QuantMode::kSym ? (1 << (BITS - 1)) : 0;
+}
+
+template <int BITS, QuantMode MODE, int NT, bool ZFOLD>
+__device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb, uint32_t Xhb, uint16_t sa,
+                                          uint16_t za, uint16_t sb, uint16_t zb, const uint4* __restrict__ frag,
+                                          int frag_nt_stride, const float* __restrict__ xsum_blk, int xsum_q_stride,
+                                          int t, const DecodeConsts& kc, float (&acc)[NT][2]) {
+  constexpr int OFF = decode_offset<BITS, MODE>();
+  uint32_t ha[4], hb[4];
+  decode_inner_q<BITS, OFF>(Xa, Xha, kc, ha);
+  decode_inner_q<BITS, OFF>(Xb, Xhb, kc, hb);
+  const uint32_t A0[4] = {ha[0], hb[0], ha[1], hb[1]};  // k-step 0: pairs P0, P1 of rows g and g + 8
+  const uint32_t A1[4] = {ha[2], hb[2], ha[3], hb[3]};  // k-step 1: pairs P2, P3
+  const GroupAffine fa = group_affine<MODE, BITS>(sa, za), fb = group_affine<MODE, BITS>(sb, zb);
+  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int q = 0; q < QT; ++q) dot[q] = 0.f;
-#pragma unroll
-  for (int j = 0; j < kCB; ++j) {
-#pragma unroll
-    for (int i4 = 0; i4 < 8; ++i4) {
-      const float u0 = decode<BITS>(w + j * BITS, 4 * i4 + 0);
-      const float u1 = decode<BITS>(w + j * BITS, 4 * i4 + 1);
-      const float u2 = decode<BITS>(w + j * BITS, 4 * i4 + 2);
-      const float u3 = decode<BITS>(w + j * BITS, 4 * i4 + 3);
-#pragma unroll
-      for (int q = 0; q < QT; ++q) {
-        const float4 xv = *reinterpret_cast<const float4*>(xc + q * xs_stride + 32 * j + 4 * i4);
-        dot[q] = fmaf(xv.x, u0, dot[q]);
-        dot[q] = fmaf(xv.y, u1, dot[q]);
-        dot[q] = fmaf(xv.z, u2, dot[q]);
-        dot[q] = fmaf(xv.w, u3, dot[q]);
-      }
-    }
-    ++r;
-    if (r == bpg || j == kCB - 1) {  // group g ends here, or the chunk does: fold with one FMA per query row
-      const uint16_t zb = MODE == QuantMode::kSym ? uint16_t{0} : __ldg(zrow + g);
-      const GroupAffine a = group_affine<MODE, BITS>(__ldg(srow + g), zb);
-      const bool owns_offset = g * bpg >= blk0;  // the group's first block is in this chunk: add zeff * xsum once
-#pragma unroll
-      for (int q = 0; q < QT; ++q) {
-        float v = fmaf(a.s, dot[q], acc[q]);
-        if (owns_offset) v = fmaf(a.zeff, xsum[q * ngroups + g], v);
-        acc[q] = v;
-        dot[q] = 0.f;
-      }
-      if (r == bpg) {
-        ++g;
-        r = 0;
-      }
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint4 B = frag[nt * frag_nt_stride];
+    const uint32_t B0[2] = {B.x, B.y}, B1[2] = {B.z, B.w};
+    float d[4];
+    mma_m16n8k16(d, A0, B0, zero);
+    mma_m16n8k16(d, A1, B1, d);
+    // d = (row g: query t hi, lo; row g + 8: query t hi, lo)
+    if constexpr (MODE == QuantMode::kSym || !ZFOLD) {
+      acc[nt][0] = fmaf(fa.s, d[0] + d[1], acc[nt][0]);
+      acc[nt][1] = fmaf(fb.s, d[2] + d[3], acc[nt][1]);
+    } else {
+      const float xs = xsum_blk[(4 * nt + t) * xsum_q_stride];
+      acc[nt][0] = fmaf(fa.s, d[0] + d[1], fmaf(fa.zeff, xs, acc[nt][0]));
+      acc[nt][1] = fmaf(fb.s, d[2] + d[3], fmaf(fb.zeff, xs, acc[nt][1]));
     }
   }
 }
 
-template <int BITS, QuantMode MODE, int QT, bool VEC>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(BITS, QT, VEC))
-    gemv_inner_q_kernel(const GemvInnerQParams p, const InnerQLaunch k) {
-  constexpr int kChunk = chunk_values(BITS, VEC);
-  constexpr int kCB = chunk_blocks(BITS, VEC);
-  constexpr int kWords = kCB * BITS;
-  constexpr int kStride = kChunk + kChunkPad;
-  // Register double-buffering of codes pays where the kernel is memory-bound (few query rows); with 4-8 query
-  // rows it is FMA-bound and the extra registers would only cost occupancy.
-  constexpr bool kPrefetch = QT <= 2;
+// ---- the zero-point term of a chunk on the tensor cores ----------------------------------------------------------------
+// sum over the chunk's 4 blocks j of zeff_j * xsum_j (per row and query row) is one m16n8k16 MMA: k-slot j holds
+// the block's stored zero (asym groups) and k-slot 8 + j the negated scale -|s_j| (hybrid's sym groups, whose zeff is
+// -|s| 2^(b-1)); B holds xsum_j 2^-kZeroShift in slot j and xsum_j 2^(b-1-kZeroShift) in slot 8 + j (hi / lo columns,
+// as the main B). Both A entries are fp16 values the store holds exactly, so the only rounding is B's hi/lo split
+// (~2^-22) and the fp32 accumulation. Thread t supplies slots 2t, 2t + 1 (8 + ...): blocks 2 (t & 1) + {0, 1};
+// threads t >= 2 duplicate them, and B is zero in their slots.
+constexpr int kZeroShift = 9;  // xsum <= 32 * 2^15 = 2^20 after the prescale; x 2^(3 - 9) stays below fp16's max
+
+struct ZeroA {
+  uint32_t z;  // (zeff of block jj, block jj + 1) as an fp16 pair, asym groups (0 for hybrid's sym groups)
+  uint32_t s;  // -|s| pair for hybrid's sym groups (0 for asym groups, and always 0 in asym mode)
+};
+
+template <QuantMode MODE>
+__device__ __forceinline__ ZeroA zero_a(uint32_t s0, uint32_t s1, uint32_t z0, uint32_t z1) {
+  const uint32_t zp = prmt(z0, z1, 0x5410u);
+  if constexpr (MODE == QuantMode::kAsym) {
+    return {zp, 0u};
+  } else {
+    const uint32_t sp = prmt(s0, s1, 0x5410u);
+    const uint32_t asym = prmt(sp, 0u, 0xBB99u);  // 0xffff in each half whose scale has the sign bit (asym group)
+    return {zp & asym, lop3<0x54>(sp, 0x80008000u, asym)};  // (s | sign) & ~asym: -|s| for sym groups
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_mma(const ZeroA& a, const ZeroA& b, const uint2* __restrict__ zfrag,
+                                         int zfrag_nt_stride, float (&zacc)[NT][4]) {
+  const uint32_t A[4] = {a.z, b.z, a.s, b.s};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint2 B = zfrag[nt * zfrag_nt_stride];
+    const uint32_t Bf[2] = {B.x, B.y};
+    mma_m16n8k16(zacc[nt], A, Bf, zacc[nt]);
+  }
+}
+
+// Row pointers of one thread's two rows (g and g + 8 of a 16-row tile). A row past the end of M points at the last
+// row instead (its results are never stored), so every load is unconditional. z points at the thread's zero pair
+// (group of block 2 (t & 1) at G = 32; the group base otherwise).
+struct RowPair {
+  const uint32_t* c[2];
+  const uint16_t* s[2];
+  const uint16_t* z[2];
+};
+
+// Everything one main-loop step needs besides the rows.
+struct ChunkCtx {
+  const uint4* frag;   // B fragments of the step's first block, this lane
+  const uint2* zfrag;  // zero-MMA B fragment of the step, this lane
+  int frag_nt_stride, zfrag_nt_stride;
+  int t, jj;  // jj = 2 (t & 1): the thread's block pair in the zero MMA
+  uint32_t sel_lo, sel_hi;
+};
+
+// One main-loop step: kChunkBlocks blocks of the two rows. GROUP32: G = 32, the group of block n is n itself, so the
+// four scales are one base pointer plus immediate offsets; otherwise group(n) = umulhi(n, bpg_magic) with n the
+// absolute block index of the step's first block (blk_abs) plus j.
+template <int BITS, QuantMode MODE, int NT, bool VEC, bool GROUP32>
+__device__ __forceinline__ void chunk_step(const RowPair& r, uint32_t blk_abs, uint32_t bpg_magic, const ChunkCtx& x,
+                                           const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
+  ChunkWords<BITS, VEC> wa, wb;
+  load_chunk(wa, r.c[0], x.t);
+  load_chunk(wb, r.c[1], x.t);
+  uint16_t sa[kChunkBlocks], sb[kChunkBlocks];
+#pragma unroll
+  for (int j = 0; j < kChunkBlocks; ++j) {
+    const uint32_t gi = GROUP32 ? j : umulhi(blk_abs + j, bpg_magic);
+    sa[j] = __ldg(r.s[0] + gi);
+    sb[j] = __ldg(r.s[1] + gi);
+  }
+  if constexpr (MODE != QuantMode::kSym) {
+    uint32_t z[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t gi = GROUP32 ? i : umulhi(blk_abs + x.jj + i, bpg_magic);
+      z[0][i] = __ldg(r.z[0] + gi);
+      z[1][i] = __ldg(r.z[1] + gi);
+    }
+    const bool hi = x.jj != 0;
+    const ZeroA a = zero_a<MODE>(hi ? sa[2] : sa[0], hi ? sa[3] : sa[1], z[0][0], z[0][1]);
+    const ZeroA b = zero_a<MODE>(hi ? sb[2] : sb[0], hi ? sb[3] : sb[1], z[1][0], z[1][1]);
+    zero_mma<NT>(a, b, x.zfrag, x.zfrag_nt_stride, zacc);
+  }
+#pragma unroll
+  for (int j = 0; j < kChunkBlocks; ++j) {
+    uint32_t Xa, Xha = 0, Xb, Xhb = 0;
+    gather_chunk(wa, j, x.sel_lo, x.sel_hi, Xa, Xha);
+    gather_chunk(wb, j, x.sel_lo, x.sel_hi, Xb, Xhb);
+    block_mma<BITS, MODE, NT, false>(Xa, Xha, Xb, Xhb, sa[j], 0, sb[j], 0, x.frag + j * 32, x.frag_nt_stride,
+                                     nullptr, 0, x.t, kc, acc);
+  }
+}
+
+template <int BITS, QuantMode MODE, int NT, bool VEC, bool GROUP32>
+__device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_abs0, uint32_t bpg_magic, ChunkCtx x,
+                                           const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
+#pragma unroll 1
+  for (int c = 0; c < nchunks; ++c) {
+    chunk_step<BITS, MODE, NT, VEC, GROUP32>(r, blk_abs0 + c * kChunkBlocks, bpg_magic, x, kc, acc, zacc);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      r.c[i] += kChunkBlocks * BITS;
+      if (GROUP32) r.s[i] += kChunkBlocks;
+      if (GROUP32 && MODE != QuantMode::kSym) r.z[i] += kChunkBlocks;
+    }
+    x.frag += kChunkBlocks * 32;
+    x.zfrag += 32;
+  }
+}
+
+// Result of row g (i = 0) or g + 8 (i = 1) of the tile for n-tile nt: the fp32 sums plus the zero MMA's two columns.
+template <QuantMode MODE, int NT>
+__device__ __forceinline__ float tile_result(const float (&acc)[NT][2], const float (&zacc)[NT][4], int nt, int i) {
+  if constexpr (MODE == QuantMode::kSym) {
+    return acc[nt][i];
+  } else {
+    return fmaf(zacc[nt][2 * i] + zacc[nt][2 * i + 1], static_cast<float>(1 << kZeroShift), acc[nt][i]);
+  }
+}
+
+template <int BITS, QuantMode MODE, int NT, bool VEC>
+__global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_kernel(const GemvInnerQParams p,
+                                                                                      const InnerQLaunch k) {
+  constexpr int QR = 4 * NT;  // query rows per pass
+  constexpr bool kZeros = MODE != QuantMode::kSym;
   extern __shared__ __align__(16) float smem[];
 
-  const int G = p.group_size;
-  const int bpg = G / 32;
-  // 32-bit index math: grid dims are < 2^31, and 64-bit division would be a called subroutine (ABI spills)
+  // 32-bit index math where the sizes allow: grid dims are < 2^31, 64-bit division would be a called subroutine
   const int H_kv = static_cast<int>(p.H_kv);
   const int64_t b = static_cast<int>(blockIdx.z) / H_kv, hkv = static_cast<int>(blockIdx.z) % H_kv;
-  const int64_t gq = k.gq;
   const int64_t l0 = static_cast<int64_t>(blockIdx.y) * k.split_len;
-  const int len = static_cast<int>(min(k.split_len, p.L - l0));
-  const int nchunks = len / kChunk;  // whole vector chunks per row (VEC: then len % kChunk values, the tail)
-  const int ngroups = len / G;
-  // floats per staged query row (a multiple of 4: float4 reads); the tail is staged unpadded after the chunks
-  const int xs_stride = nchunks * kStride + (len - nchunks * kChunk);
-  float* xs = smem;                         // [QT][xs_stride]
-  float* xsum = smem + QT * xs_stride;      // [QT][ngroups]
+  const int len = static_cast<int>(min(k.split_len, p.L - l0));  // a multiple of 32
+  const int nblk = len / 32;
+  const int nchunks = len / kChunk;
+  const uint32_t blk_abs0 = static_cast<uint32_t>(l0 / 32);  // absolute block index of the split's first block
+
+  uint4* xfrag = reinterpret_cast<uint4*>(smem);                             // [NT][nblk][32 lanes]
+  uint2* zfrag = reinterpret_cast<uint2*>(xfrag + NT * nblk * 32);           // [NT][nchunks][32] (zeros)
+  float* xsum = reinterpret_cast<float*>(zfrag + (kZeros ? NT * nchunks * 32 : 0));  // [QR][nblk] (zeros)
+  float* unscale = xsum + (kZeros ? QR * nblk : 0);                          // [QR] 2^-e per query row
+  unsigned* amax = reinterpret_cast<unsigned*>(unscale + QR);                // [QR] float bits of max |xs|
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-  const int tpr = k.tpr;
-  const int sub = threadIdx.x & (tpr - 1);
-  const int rloc = threadIdx.x / tpr;
-  const int rows_per_pass = blockDim.x / tpr;
+  const int g = lane >> 2, t = lane & 3;
+
   const int64_t m_begin = static_cast<int64_t>(blockIdx.x) * k.rows_per_block;
   const int64_t m_end = min(p.M, m_begin + k.rows_per_block);
-
-  const int64_t g0 = static_cast<int64_t>(blockIdx.y) * k.groups_per_split;  // first group of the split
-  const uint32_t* codes_bh =
-      p.codes + b * p.c_sb + hkv * p.c_sh + static_cast<int64_t>(blockIdx.y) * k.blocks_per_split * BITS;
-  const uint16_t* scales_bh = p.scales + b * p.s_sb + hkv * p.s_sh + g0;
-  const uint16_t* zeros_bh = MODE == QuantMode::kSym ? nullptr : p.zeros + b * p.z_sb + hkv * p.z_sh + g0;
+  const int mtiles = static_cast<int>((m_end - m_begin + 15) / 16);
+  const int full_tiles = static_cast<int>((m_end - m_begin) / 16);  // tiles whose 16 rows all exist
   const float* xscale = p.x_scale == nullptr ? nullptr : p.x_scale + hkv * p.xs_sh + l0;
 
-  for (int q0 = 0; q0 < k.qb; q0 += QT) {
-    __syncthreads();  // the previous query tile is no longer being read
-    // Stage xs = x * x_scale for QT query rows, and xsum per (query row, group): a warp per (row, group).
-    for (int pair = warp; pair < QT * ngroups; pair += nwarps) {
-      const int q = pair / ngroups, g = pair - q * ngroups;
+  for (int q0 = 0; q0 < k.qb; q0 += QR) {
+    // ---- stage the query tile ------------------------------------------------------------------------------------
+    __syncthreads();  // the previous tile is no longer read
+    if (threadIdx.x < QR) amax[threadIdx.x] = 0u;
+    // element offset of query row q of the tile; -1 past the last query row (staged as zeros)
+    const auto xoff_of = [&](int q) -> int64_t {
       const int qg = q0 + q;
-      const bool valid = qg < k.qb;  // rows past the last query row are zero (their results are not stored)
-      int64_t xoff = 0;
-      if (valid) {
-        const int hq = qg / k.tc, t = qg % k.tc;
-        xoff = b * p.x_sb + (hkv * gq + hq) * p.x_sh + (k.t0 + t) * p.x_st + l0;
+      return qg < k.qb ? b * p.x_sb + (hkv * k.gq + qg / k.tc) * p.x_sh + (k.t0 + qg % k.tc) * p.x_st + l0 : -1;
+    };
+    const auto xs_at = [&](int64_t xoff, int l) -> float {
+      if (xoff < 0) return 0.f;
+      const float v = load_x(p.x, p.x_dtype, xoff + l);
+      return xscale == nullptr ? v : v * __ldg(xscale + l);
+    };
+    __syncthreads();
+    // pass 1: max |xs| per query row (non-negative floats order like their bits; atomicMax: order-independent)
+#pragma unroll 1
+    for (int q = 0; q < QR; ++q) {
+      const int64_t xoff = xoff_of(q);
+      float m = 0.f;
+      for (int l = threadIdx.x; l < len; l += blockDim.x) m = nan_max(m, fabsf(xs_at(xoff, l)));
+      m = warp_max(m);
+      if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
+    }
+    __syncthreads();
+    if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x])));
+    // pass 2: B fragments. Warp task = (n-tile, block); lane (col = g, t) holds query row 4 nt + g / 2, part g & 1,
+    // values 8t + i of the block as pairs (i, i + 4).
+#pragma unroll 1
+    for (int task = warp; task < NT * nblk; task += nwarps) {
+      const int nt = task / nblk, blk = task - nt * nblk;
+      const int q = 4 * nt + (g >> 1);
+      const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
+      const int64_t xoff = xoff_of(q);
+      uint16_t hv[8];
+      float part_sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float v = xs_at(xoff, 32 * blk + 8 * t + i) * scale;
+        part_sum += v;
+        const HalfSplit sp = split_half(v);
+        hv[i] = (g & 1) ? sp.lo : sp.hi;
       }
-      float part = 0.f;
-      for (int i = lane; i < G; i += 32) {
-        const int l = g * G + i;
-        float v = 0.f;
-        if (valid) {
-          v = load_x(p.x, p.x_dtype, xoff + l);
-          if (xscale != nullptr) v *= __ldg(xscale + l);
+      xfrag[task * 32 + lane] = make_uint4(pack_half2(hv[0], hv[4]), pack_half2(hv[1], hv[5]),
+                                           pack_half2(hv[2], hv[6]), pack_half2(hv[3], hv[7]));
+      if constexpr (kZeros) {
+        part_sum += __shfl_xor_sync(0xffffffffu, part_sum, 1);
+        part_sum += __shfl_xor_sync(0xffffffffu, part_sum, 2);
+        if (t == 0 && (g & 1) == 0) xsum[q * nblk + blk] = part_sum;
+      }
+    }
+    if constexpr (kZeros) {
+      // pass 3: the zero MMA's B fragments from xsum (slot layout: zero_a)
+      __syncthreads();
+#pragma unroll 1
+      for (int task = warp; task < NT * nchunks; task += nwarps) {
+        const int nt = task / nchunks, c = task - nt * nchunks;
+        const int q = 4 * nt + (g >> 1);
+        uint2 f = make_uint2(0u, 0u);
+        if (t < 2) {
+          const float* xs = xsum + q * nblk + c * kChunkBlocks + 2 * t;
+          const float v0 = xs[0] * (1.f / (1 << kZeroShift)), v1 = xs[1] * (1.f / (1 << kZeroShift));
+          const auto part = [&](float v) { const HalfSplit sp = split_half(v); return (g & 1) ? sp.lo : sp.hi; };
+          f.x = pack_half2(part(v0), part(v1));
+          if constexpr (MODE == QuantMode::kHybrid) {
+            constexpr float m = static_cast<float>(1 << (BITS - 1));
+            f.y = pack_half2(part(v0 * m), part(v1 * m));
+          }
         }
-        xs[q * xs_stride + (l / kChunk) * kStride + (l % kChunk)] = v;
-        part += v;
+        zfrag[task * 32 + lane] = f;
       }
-      part = group_sum(part, 32);
-      if (lane == 0) xsum[q * ngroups + g] = part;
     }
     __syncthreads();
 
-    for (int64_t base = m_begin; base < m_end; base += rows_per_pass) {  // uniform trip count: shuffles below
-      const int64_t m = base + rloc;
-      float acc[QT];
+    // ---- 16-row tiles ---------------------------------------------------------------------------------------------
+    // this thread's output pointers (query row 4 nt + t of each n-tile) and unscale factors for the whole pass
+    float* outq[NT];
+    float usq[NT];
 #pragma unroll
-      for (int q = 0; q < QT; ++q) acc[q] = 0.f;
-      if (m < m_end) {
-        const uint32_t* crow = codes_bh + m * p.c_sm;
-        const uint16_t* srow = scales_bh + m * p.s_sm;
-        const uint16_t* zrow = MODE == QuantMode::kSym ? nullptr : zeros_bh + m * p.z_sm;
-        if constexpr (kPrefetch) {  // next chunk's codes in flight while this one is decoded
-          uint32_t next[kWords];
-          int c = sub;
-          if (c < nchunks) load_words<kWords, VEC>(crow + static_cast<int64_t>(c) * kWords, next);
-          for (; c < nchunks; c += tpr) {
-            uint32_t cur[kWords];
-#pragma unroll
-            for (int i = 0; i < kWords; ++i) cur[i] = next[i];
-            if (c + tpr < nchunks) load_words<kWords, VEC>(crow + static_cast<int64_t>(c + tpr) * kWords, next);
-            process_blocks<BITS, MODE, QT, kCB>(cur, c * kCB, xs + c * kStride, xs_stride, xsum, ngroups, srow, zrow,
-                                                bpg, acc);
-          }
-        } else {
-          for (int c = sub; c < nchunks; c += tpr) {
-            uint32_t cur[kWords];
-            load_words<kWords, VEC>(crow + static_cast<int64_t>(c) * kWords, cur);
-            process_blocks<BITS, MODE, QT, kCB>(cur, c * kCB, xs + c * kStride, xs_stride, xsum, ngroups, srow, zrow,
-                                                bpg, acc);
-          }
-        }
-        if constexpr (VEC) {  // the row's last len % chunk values: whole blocks, 32-bit loads
-          const int tail_blocks = (len - nchunks * kChunk) / 32;
+    for (int nt = 0; nt < NT; ++nt) {
+      const int qg = q0 + 4 * nt + t;
+      outq[nt] = nullptr;
+      usq[nt] = unscale[4 * nt + t];
+      if (qg < k.qb)
+        outq[nt] = k.out.base + blockIdx.y * k.out.s_split + b * k.out.sb + (hkv * k.gq + qg / k.tc) * k.out.sh +
+                   (qg % k.tc) * k.out.st;
+    }
+    const DecodeConsts& kc = k.dec;
+    ChunkCtx cx;
+    cx.frag = xfrag + lane;
+    cx.zfrag = zfrag + lane;
+    cx.frag_nt_stride = nblk * 32;
+    cx.zfrag_nt_stride = nchunks * 32;
+    cx.t = t;
+    cx.jj = 2 * (t & 1);
+    cx.sel_lo = sel_bytes(2 * t, 2 * t + 1);
+    cx.sel_hi = sel_bytes(t, t);
+    // base pointers of the (b, h_kv) slice at the split's first block; z at the thread's zero pair (G = 32)
+    const uint32_t* c_bh = p.codes + b * p.c_sb + hkv * p.c_sh + l0 / 32 * BITS;
+    const uint16_t* s_bh = p.scales + b * p.s_sb + hkv * p.s_sh + (k.bpg == 1 ? blk_abs0 : 0);
+    const uint16_t* z_bh =
+        kZeros ? p.zeros + b * p.z_sb + hkv * p.z_sh + (k.bpg == 1 ? blk_abs0 + cx.jj : 0) : nullptr;
+    const auto rows_at = [&](int64_t ra, int64_t rb) {
+      RowPair r;
+      r.c[0] = c_bh + ra * p.c_sm, r.c[1] = c_bh + rb * p.c_sm;
+      r.s[0] = s_bh + ra * p.s_sm, r.s[1] = s_bh + rb * p.s_sm;
+      r.z[0] = kZeros ? z_bh + ra * p.z_sm : nullptr;
+      r.z[1] = kZeros ? z_bh + rb * p.z_sm : nullptr;
+      return r;
+    };
+    const int64_t step = 16 * nwarps;
+    int mt = warp;
+    int64_t ma = m_begin + 16 * warp + g;  // row g of the warp's current tile
+
+    // Keys (L = 4 blocks = one step per row, G = 32): the tile loop itself is the hot loop. Whole tiles only, with
+    // pointers advanced by a fixed stride; a last partial tile goes to the general loop below.
+    if (nblk == kChunkBlocks && k.bpg == 1) {
+      RowPair r = rows_at(ma, ma + 8);
+      const int64_t dc = step * p.c_sm, ds = step * p.s_sm, dz = step * p.z_sm;
 #pragma unroll 1
-          for (int tb = sub; tb < tail_blocks; tb += tpr) {
-            const int blk = nchunks * kCB + tb;
-            uint32_t cur[BITS];
-            load_words<BITS, false>(crow + static_cast<int64_t>(blk) * BITS, cur);
-            process_blocks<BITS, MODE, QT, 1>(cur, blk, xs + nchunks * kStride + tb * 32, xs_stride, xsum, ngroups,
-                                              srow, zrow, bpg, acc);
-          }
+      for (; mt < full_tiles; mt += nwarps, ma += step) {
+        float acc[NT][2], zacc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+        chunk_step<BITS, MODE, NT, VEC, true>(r, blk_abs0, 0u, cx, kc, acc, zacc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (outq[nt] == nullptr) continue;
+          outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
+          outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          r.c[i] += dc;
+          r.s[i] += ds;
+          if (kZeros) r.z[i] += dz;
         }
       }
+    }
+
+    // General tiles: any L, any G, rows past M clamped.
+    const int64_t last = m_end - 1;
+#pragma unroll 1
+    for (; mt < mtiles; mt += nwarps, ma += step) {
+      const bool ok_a = ma < m_end, ok_b = ma + 8 < m_end;
+      const RowPair r = rows_at(ok_a ? ma : last, ok_b ? ma + 8 : last);
+      float acc[NT][2], zacc[NT][4];
 #pragma unroll
-      for (int q = 0; q < QT; ++q) acc[q] = group_sum(acc[q], tpr);
-      if (m < m_end && sub == 0) {
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+      if (k.bpg == 1) {
+        chunk_loop<BITS, MODE, NT, VEC, true>(r, nchunks, blk_abs0, k.bpg_magic, cx, kc, acc, zacc);
+      } else {
+        chunk_loop<BITS, MODE, NT, VEC, false>(r, nchunks, blk_abs0, k.bpg_magic, cx, kc, acc, zacc);
+      }
+      // the row's last len % 128 values, block by block, zero term folded in fp32
+      const uint16_t* z0 = kZeros ? r.z[0] - (k.bpg == 1 ? cx.jj : 0) : nullptr;
+      const uint16_t* z1 = kZeros ? r.z[1] - (k.bpg == 1 ? cx.jj : 0) : nullptr;
+#pragma unroll 1
+      for (int blk = nchunks * kChunkBlocks; blk < nblk; ++blk) {
+        const uint32_t gi = k.bpg == 1 ? blk : umulhi(blk_abs0 + blk, k.bpg_magic);
+        uint32_t Xa, Xha, Xb, Xhb;
+        load_gather_block<BITS>(r.c[0] + blk * BITS, t, cx.sel_lo, cx.sel_hi, Xa, Xha);
+        load_gather_block<BITS>(r.c[1] + blk * BITS, t, cx.sel_lo, cx.sel_hi, Xb, Xhb);
+        const uint16_t za = kZeros ? __ldg(z0 + gi) : uint16_t{0};
+        const uint16_t zb = kZeros ? __ldg(z1 + gi) : uint16_t{0};
+        block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, __ldg(r.s[0] + gi), za, __ldg(r.s[1] + gi), zb,
+                                        cx.frag + blk * 32, nblk * 32, xsum + blk, nblk, t, kc, acc);
+      }
+      // epilogue: thread (g, t) holds rows g and g + 8 of the tile for query row 4 nt + t of each n-tile
 #pragma unroll
-        for (int q = 0; q < QT; ++q) {
-          const int qg = q0 + q;
-          if (qg < k.qb) {
-            const int hq = qg / k.tc, t = qg % k.tc;
-            k.out.base[blockIdx.y * k.out.s_split + b * k.out.sb + (hkv * gq + hq) * k.out.sh + t * k.out.st + m] =
-                acc[q];
-          }
-        }
+      for (int nt = 0; nt < NT; ++nt) {
+        if (outq[nt] == nullptr) continue;
+        if (ok_a) outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
+        if (ok_b) outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
       }
     }
   }
 }
 
-__global__ void combine_splits_kernel(const float* __restrict__ ws, int splits, int64_t n, int64_t H, int64_t T,
-                                      int64_t N, float* __restrict__ y, int64_t y_sb, int64_t y_sh, int64_t y_st) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+// ---- kernel selection and planning -------------------------------------------------------------------------------
+using InnerQKernel = void (*)(const GemvInnerQParams, const InnerQLaunch);
+
+template <int BITS, QuantMode MODE, int NT>
+InnerQKernel inner_q_kernel(bool vec) {
+  if constexpr (BITS == 4) {
+    return gemv_inner_q_kernel<4, MODE, NT, false>;  // reads one word per block and lane: no vector form
+  } else {
+    return vec ? gemv_inner_q_kernel<BITS, MODE, NT, true> : gemv_inner_q_kernel<BITS, MODE, NT, false>;
+  }
+}
+
+cudaError_t select_inner_q_kernel(int bits, QuantMode mode, int nt, bool vec, InnerQKernel* fn) {
+  KVK_DISPATCH_BITS(bits, BITS, {
+    KVK_DISPATCH_MODE(mode, MODE, { KVK_DISPATCH_NTILES(nt, NT, { *fn = inner_q_kernel<BITS, MODE, NT>(vec); }) })
+  })
+  return cudaSuccess;
+}
+
+struct InnerQPlan {
+  bool vec;                  // 16-byte code loads (bits 1-3)
+  int nt;                    // n-tiles: 4 query rows each
+  int threads;               // 32 x warps
+  int64_t t_chunk;           // query rows per head per launch
+  int64_t split_len;         // L values per split
+  int64_t num_splits;        // CTAs along L
+  int64_t rows_per_block;    // M rows per CTA
+  int64_t row_blocks;        // CTAs along M
+  size_t smem_bytes;         // dynamic shared memory
+  int64_t workspace_floats;  // split-K workspace (0 without split)
+  int ctas_per_sm;           // resident CTAs per SM (occupancy), for the record
+  InnerQKernel fn;
+  const char* error;         // non-null: unsupported configuration
+};
+
+// 16-byte code loads need 16-byte aligned rows: the base pointer and every leading stride of more than one row.
+bool codes_aligned_16(const GemvInnerQParams& p) {
+  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
+  return reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.M, p.c_sm);
+}
+
+InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
+  InnerQPlan pl{};
+  const int64_t gq = p.H_q / p.H_kv;
+  pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
+  const int64_t qb = gq * pl.t_chunk;
+  pl.nt = qb <= 4 ? 1 : 2;  // more query rows loop over 8-row passes in the CTA
+  pl.vec = p.bits != 4 && p.L >= kChunk && codes_aligned_16(p);
+  if (select_inner_q_kernel(p.bits, p.mode, pl.nt, pl.vec, &pl.fn) != cudaSuccess) {
+    pl.error = "unsupported bits / mode";
+    return pl;
+  }
+  const int64_t mt = ceil_div(std::max<int64_t>(p.M, 1), 16);  // 16-row tiles per (b, h_kv)
+  const int warps = static_cast<int>(std::min<int64_t>(kMaxWarps, mt));
+  pl.threads = 32 * warps;
+  int occ = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), pl.threads,
+                                                    kSmemBudget) != cudaSuccess ||
+      occ < 1)
+    occ = 1;
+  (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
+  pl.ctas_per_sm = occ;
+  const int64_t wave = static_cast<int64_t>(occ) * std::max(p.num_sms, 1);
+  const int64_t bh = p.B * p.H_kv;
+
+  // longest split the shared-memory budget allows (whole chunks), and the split from the wave rule
+  int64_t max_len = kChunk;
+  while (stage_bytes(max_len + kChunk, pl.nt, p.mode) <= kSmemBudget) max_len += kChunk;
+  if (stage_bytes(std::min<int64_t>(p.L, max_len), pl.nt, p.mode) > kSmemBudget) {
+    pl.error = "query tile too large for shared memory";
+    return pl;
+  }
+  pl.split_len = p.L <= max_len ? p.L : max_len;
+  const int64_t rb1 = ceil_div(mt, warps);  // CTAs per (b, h_kv) with one tile per warp
+  if (bh * rb1 * ceil_div(p.L, pl.split_len) < wave && p.L > kMinSplitValues) {
+    const int64_t want = ceil_div(wave, bh * rb1);  // splits for one wave
+    const int64_t len = round_up(std::max(ceil_div(p.L, want), kMinSplitValues), kChunk);
+    if (len < pl.split_len) pl.split_len = len;
+  }
+  pl.num_splits = ceil_div(p.L, pl.split_len);
+  // rows per CTA: one tile per warp, doubled while the grid still spans two waves (fewer CTAs stage the query)
+  int64_t tiles_per_warp = 1;
+  while (bh * ceil_div(mt, warps * tiles_per_warp * 2) * pl.num_splits >= 2 * wave) tiles_per_warp *= 2;
+  pl.rows_per_block = 16 * warps * tiles_per_warp;
+  pl.row_blocks = ceil_div(std::max<int64_t>(p.M, 1), pl.rows_per_block);
+  pl.smem_bytes = stage_bytes(pl.split_len, pl.nt, p.mode);
+  pl.workspace_floats = pl.num_splits > 1 ? pl.num_splits * p.B * p.H_q * pl.t_chunk * p.M : 0;
+  if (pl.row_blocks > 0x7fffffff || pl.num_splits > 65535 || bh > 65535) pl.error = "grid too large";
+  if (ceil_div(p.L, 32) * (p.group_size / 32) > 0xffffffffLL) pl.error = "L x group_size too large";
+  return pl;
+}
+
+// Deterministic split-K combine: one CTA per output row (b, h, t), threads over its N values; every index fits 32
+// bits except the split stride, applied as a running pointer.
+__global__ void combine_splits_kernel(const float* __restrict__ ws, int splits, int H, int T, int N,
+                                      int64_t split_stride, float* __restrict__ y, int64_t y_sb, int64_t y_sh,
+                                      int64_t y_st) {
+  const int r = blockIdx.x;  // (b * H + h) * T + t
+  const int t = r % T, h = (r / T) % H, b = r / (T * H);
+  const float* src = ws + static_cast<int64_t>(r) * N;
+  float* dst = y + b * y_sb + h * y_sh + t * y_st;
+  for (int n = threadIdx.x; n < N; n += blockDim.x) {
     float s = 0.f;
-    for (int sp = 0; sp < splits; ++sp) s += ws[sp * n + i];  // fixed order: deterministic
-    const int64_t nn = i % N, t = (i / N) % T, h = (i / (N * T)) % H, b = i / (N * T * H);
-    y[b * y_sb + h * y_sh + t * y_st + nn] = s;
+    const float* w = src + n;
+    for (int sp = 0; sp < splits; ++sp, w += split_stride) s += *w;  // fixed order: deterministic
+    dst[n] = s;
   }
 }
 
@@ -369,12 +631,15 @@ __global__ void combine_splits_kernel(const float* __restrict__ ws, int splits, 
 
 cudaError_t launch_combine_splits(const float* ws, int splits, int64_t B, int64_t H, int64_t T, int64_t N, float* y,
                                   int64_t y_sb, int64_t y_sh, int64_t y_st, cudaStream_t stream) {
-  const int64_t n = B * H * T * N;
-  if (n == 0) return cudaSuccess;
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>(ceil_div(n, threads), 65535);
-  combine_splits_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(ws, splits, n, H, T, N, y, y_sb, y_sh,
-                                                                               y_st);
+  const int64_t rows = B * H * T;
+  if (rows * N == 0) return cudaSuccess;
+  if (rows > 0x7fffffff || N > 0x7fffffff) {
+    set_launch_error("combine_splits: %lld rows of %lld values exceed the grid", (long long)rows, (long long)N);
+    return cudaErrorInvalidValue;
+  }
+  const int threads = N >= 256 ? 256 : static_cast<int>(round_up(N, 32));
+  combine_splits_kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(
+      ws, splits, static_cast<int>(H), static_cast<int>(T), static_cast<int>(N), rows * N, y, y_sb, y_sh, y_st);
   return cudaGetLastError();
 }
 
@@ -415,6 +680,7 @@ cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream) 
   const dim3 grid(static_cast<unsigned>(pl.row_blocks), static_cast<unsigned>(pl.num_splits),
                   static_cast<unsigned>(p.B * p.H_kv));
   const int64_t gq = p.H_q / p.H_kv;
+  const int bpg = p.group_size / 32;
   for (int64_t t0 = 0; t0 < p.T; t0 += pl.t_chunk) {
     InnerQLaunch k{};
     k.t0 = t0;
@@ -422,24 +688,17 @@ cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream) 
     k.gq = static_cast<int>(gq);
     k.qb = static_cast<int>(gq * k.tc);
     k.split_len = pl.split_len;
-    k.groups_per_split = static_cast<int>(pl.split_len / p.group_size);
-    k.blocks_per_split = static_cast<int>(pl.split_len / 32);
-    k.tpr = pl.tpr;
     k.rows_per_block = pl.rows_per_block;
+    k.bpg = bpg;
+    k.bpg_magic = bpg > 1 ? static_cast<uint32_t>(((1ull << 32) + bpg - 1) / bpg) : 0u;
+    k.dec = decode_consts(p.bits, p.mode == QuantMode::kSym ? 1 << (p.bits - 1) : 0);
     if (pl.num_splits == 1) {
       k.out = OutView{p.y + t0 * p.y_st, p.y_sb, p.y_sh, p.y_st, 0};
     } else {
       k.out = OutView{p.workspace, p.H_q * k.tc * p.M, k.tc * p.M, p.M, p.B * p.H_q * k.tc * p.M};
     }
-    KVK_DISPATCH_BITS(p.bits, BITS, {
-      KVK_DISPATCH_MODE(p.mode, MODE, {
-        KVK_DISPATCH_QUERY_TILE(pl.qt, QT, {
-          KVK_DISPATCH_VEC(pl.vec, VEC, {
-            gemv_inner_q_kernel<BITS, MODE, QT, VEC><<<grid, kThreads, pl.smem_bytes, stream>>>(p, k);
-          })
-        })
-      })
-    })
+    const InnerQKernel fn = pl.fn;
+    fn<<<grid, pl.threads, pl.smem_bytes, stream>>>(p, k);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     if (pl.num_splits > 1) {

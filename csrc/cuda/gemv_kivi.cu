@@ -1,255 +1,441 @@
-// KIVI-layout fused dequant-GEMV (reduction over rows r, asym groups of G along the packed columns c):
+// KIVI-layout fused dequant-GEMV on tensor cores (reduction over rows r, asym groups of G along the columns c):
 //   y[b, h, t, c] = sum_r x[b, h, t, r] * (s[r, c/G] * u[r, c] + z[r, c/G])
-//                 = sum_r (x_r * s_{r,g}) * u_{r,c}  +  sum_r x_r * z_{r,g}
-// The coefficient a_r = x_r * s_{r,g} is formed once per (query row, row, group) and the zero term is
-// accumulated once per (query row, row, group) into its own register, so the per-element work is one decode
-// shared by all query rows plus one FMA per query row.
 //
-// Block = (column tile, split of R, (b, h_kv)); 256 threads as ct column lanes x (256 / ct) row lanes. A thread
-// owns CW consecutive columns (within one group) and walks the block's rows r = ty, ty + ry, ...; its
-// accumulators are CW x QT registers, so CW shrinks as the query tile grows (QT * CW <= 64). The row lanes are
-// then summed through shared memory in a fixed order. Every query head of the KV head and all T rows of the
-// launch are served from the same codes (query tiles of up to 8 rows loop inside the block; codes are re-read
-// from L1/L2, never expanded). Values (R = tokens, long; C = head_dim) split R across blocks into a workspace and
-// combine deterministically; keys (R = head_dim; C = tokens, long) tile the columns.
+// Each warp runs m16n8k16 MMAs with A = dequantized codes, 16 columns x 16 rows, and B = the query rows of the KV
+// head: 8 columns = 4 query rows x (hi, lo), the fp16 split of the pre-scaled fp32 activations (mma.cuh). The scale
+// and zero vary along the reduction, so they are applied before the MMA: a code is decoded exactly (LOP3 into the
+// mantissa of 1024, HFMA2 removing it) and dequantized by one more HFMA2, s * u + z rounded once to fp16 (what a
+// dequantize-to-fp16 cache holds). Products and sums are fp32 in the tensor cores. docs/FORMATS.md, "GEMV
+// arithmetic", states the contract.
+//
+// Lane g of a warp owns CPL consecutive columns (16, or 8 for 64-column stores), so one group's scale and zero
+// serve all its columns and its codes of a row are one 32/64-bit load; m-tile i pairs column 2i (A row g) with
+// 2i + 1 (A row g + 8). Thread t of the lane's quad owns rows 4t .. 4t + 3 of each 16-row k-step. A warp walks
+// k-steps of its row range with all 8 * CPL columns of its column tile in registers (CPL / 2 m-tiles x n-tiles x 4
+// accumulators), so its output needs no reduction inside the warp.
+//
+// CTA = 8 warps = (column tiles) x (row lanes), (split of R), (b, h_kv). Keys (R = head_dim, C = tokens) spread
+// column tiles over warps and CTAs; values (R = tokens, C = head_dim) give every warp of the CTA a slice of the rows
+// and sum the slices in shared memory in a fixed order, and split R across CTAs only while the grid is below one
+// wave (combine_splits then sums the splits in a fixed order). Planning is a pure function of the params and the
+// device's occupancy (plan_kivi), shared with the binding's workspace sizing.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "kvkernels/gemv.cuh"
+#include "kvkernels/mma.cuh"
 
 namespace kvk {
 namespace {
 
-constexpr int kThreads = 256;              // 8 warps
-constexpr int kMaxColLanes = 32;           // column lanes per block; the rest of the block walks rows
-constexpr int kXBudget = 32 * 1024;        // bytes of staged x per block (query tile x rows of the split)
-constexpr int kMinRowsPerLane = 8;         // split R only while each row lane keeps >= 8 rows
-constexpr int kTargetBlocksPerSm = 4;      // ~2 waves of 2 resident blocks
-constexpr int64_t kMaxTPerLaunch = 16;     // query rows per head per launch
+constexpr int kWarps = 8;                 // 256 threads
+constexpr int kSmemBudget = 40 * 1024;    // staged query tile or the row lanes' partial sums
+constexpr int64_t kMinSplitRows = 512;    // below this a split's staging and partial sums cost more than its codes
+constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch
+constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
 
-// Columns per thread: all accumulators (QT x CW) stay in registers.
-__host__ __device__ constexpr int cols_per_thread(int qt) { return qt <= 2 ? 32 : 64 / qt; }
-
-// Whether a whole-block (CW == 32) load can use one vector instruction: 16 bytes (4 bits) or 8 bytes (2 bits).
-__host__ __device__ constexpr bool vec_meaningful(int bits, int qt) {
-  return cols_per_thread(qt) == 32 && (bits == 2 || bits == 4);
-}
-
-struct KiviPlan {
-  int qt, cw, ct, ry;       // query tile, columns per thread, column lanes, row lanes
-  bool vec;                 // vector loads of whole blocks
-  int64_t t_chunk;          // query rows per head per launch
-  int64_t col_tiles;        // blocks along C
-  int64_t rows_per_split;   // R rows per block
-  int64_t num_splits;       // blocks along R
-  size_t smem_bytes;
-  int64_t workspace_floats;
-  const char* error;
+// The decoder's constants (constant memory, see DecodeConsts in mma.cuh): magic, and per column position
+// cc % 8 of the lane's columns the addend that removes the magic from the decoded pair.
+struct KiviConsts {
+  uint32_t magic;
+  uint32_t add[8];
 };
 
-bool codes_aligned(const GemvKiviParams& p, int64_t words) {
-  const auto ok = [&](int64_t size, int64_t stride) { return size <= 1 || stride % words == 0; };
-  return reinterpret_cast<uintptr_t>(p.codes) % (4 * words) == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) &&
-         ok(p.R, p.c_sr);
+// Bit position, within each half of a gathered pair word, of the code of the lane's column cc (cc % 8 decides it):
+// 4 bits: nibble of its byte; 2 bits: 2 * (cc % 4); 1 bit: cc % 8; 3 bits: the low plane as 2 bits, the high bit
+// as 1 bit.
+__host__ __device__ constexpr int pos_of(int bits, int cc) {
+  return bits == 4 ? 4 * (cc % 2) : bits == 2 || bits == 3 ? 2 * (cc % 4) : cc % 8;
 }
 
-KiviPlan plan_kivi(const GemvKiviParams& p) {
-  KiviPlan pl{};
-  const int64_t gq = p.H_q / p.H_kv;
-  pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
-  pl.qt = pick_query_tile(gq * pl.t_chunk);
-  pl.cw = cols_per_thread(pl.qt);
-  pl.vec = vec_meaningful(p.bits, pl.qt) && codes_aligned(p, p.bits);
-  const int64_t units = p.C / pl.cw;  // C is a multiple of G >= 32 >= cw
-  pl.ct = std::min(kMaxColLanes, next_pow2(units));
-  pl.ry = kThreads / pl.ct;
-  pl.col_tiles = ceil_div(units, pl.ct);
-  const int64_t bh = p.B * p.H_kv;
-  const int64_t target = static_cast<int64_t>(kTargetBlocksPerSm) * std::max(p.num_sms, 1);
-  pl.rows_per_split = std::min<int64_t>(p.R, kXBudget / (4 * pl.qt));
-  pl.num_splits = ceil_div(p.R, pl.rows_per_split);
-  while (pl.col_tiles * pl.num_splits * bh < target) {
-    const int64_t half = ceil_div(pl.rows_per_split, 2);
-    if (half < static_cast<int64_t>(pl.ry) * kMinRowsPerLane) break;
-    pl.rows_per_split = half;
-    pl.num_splits = ceil_div(p.R, pl.rows_per_split);
+KiviConsts kivi_consts(int bits) {
+  KiviConsts k{kMagic1024x2, {}};
+  for (int cc = 0; cc < 8; ++cc) {
+    const double ml = 1.0 / (1 << pos_of(bits, cc));
+    if (bits == 3) {  // h' = 4 hi - 1024 * 2^-p_lo: the addend of the high-bit step (see decode_pair)
+      const double mh = 4.0 / (1 << (cc % 8));
+      k.add[cc] = hconst2(-1024 * mh - 1024 * ml, -1024 * mh - 1024 * ml);
+    } else {
+      k.add[cc] = hconst2(-1024 * ml, -1024 * ml);
+    }
   }
-  const size_t x_bytes = sizeof(float) * pl.qt * pl.rows_per_split;
-  const size_t red_bytes = sizeof(float) * kThreads * (pl.cw + 1);  // row-lane partials, padded against conflicts
-  pl.smem_bytes = std::max(x_bytes, red_bytes);
-  pl.workspace_floats = pl.num_splits > 1 ? pl.num_splits * p.B * p.H_q * pl.t_chunk * p.C : 0;
-  if (pl.col_tiles > 0x7fffffff || pl.num_splits > 65535 || bh > 65535) pl.error = "grid too large";
-  return pl;
+  return k;
 }
 
 struct KiviLaunch {
   int64_t t0;              // first query row (of T) of this launch
   int tc;                  // query rows per head in this launch
   int gq;                  // query heads per KV head
-  int qb;                  // query rows per block = gq * tc
-  int ct;                  // column lanes
-  int rows_per_split;      // R rows per block
+  int qb;                  // query rows per CTA = gq * tc
+  int cw;                  // column tiles per CTA (warps along C); row lanes = kWarps / cw
+  int64_t split_len;       // rows of R per split (a multiple of 16 * row lanes unless it is all of R)
+  KiviConsts dec;          // decoder constants for the launch's bits
   OutView out;             // y or the split-K workspace
 };
 
-// Number of words a thread reads per row for its CW columns of one 32-value block.
-template <int BITS, int CW>
-__host__ __device__ constexpr int words_per_row() {
-  if constexpr (CW == 32) return BITS;                 // the whole block
-  else if constexpr (BITS == 3) return 2;              // its low-plane word and the high-plane word
-  else return (CW * BITS + 31) / 32;                   // 1 or 2 consecutive words
+// ---- one lane's codes of one row ----------------------------------------------------------------------------------
+// The word(s) holding the lane's CPL columns: 4 bits with CPL = 16 spans two words; 3 bits keeps its low-plane word
+// in w[0] and its high-plane word in w[1]; otherwise one word, of which the lane's columns start at byte `byte0`.
+template <int BITS, int CPL>
+struct LaneCodes {
+  uint32_t w[2];
+};
+
+// Where a lane's columns sit in a row: words from the row start (folded into the lane's row pointers once), and
+// the first byte of its bits inside the loaded word(s), which the gather selectors absorb (no shifts per row).
+struct LaneSlot {
+  int word;    // first word (3 bits: the low-plane word)
+  int hword;   // 3 bits: the high-plane word
+  int byte0;   // byte of the lane's first column inside w[0]
+  int hbyte0;  // 3 bits: byte of the lane's first column inside the high-plane word
+};
+
+template <int BITS>
+__device__ __forceinline__ LaneSlot lane_slot(int64_t c0) {  // c0: the lane's first column (a multiple of CPL)
+  LaneSlot s{};
+  const int blk = static_cast<int>(c0 / 32), cb = static_cast<int>(c0 % 32);  // block and column inside it
+  if constexpr (BITS == 3) {
+    s.word = 3 * blk + cb / 16;
+    s.byte0 = (2 * (cb % 16)) / 8;
+    s.hword = 3 * blk + 2;
+    s.hbyte0 = cb / 8;
+  } else {
+    s.word = BITS * blk + cb * BITS / 32;
+    s.byte0 = ((cb * BITS) % 32) / 8;
+  }
+  return s;
 }
 
-// Loads the words holding columns [sub * CW, sub * CW + CW) of the 32-value block at `blk`, pre-shifted so
-// column k of the slice sits at a compile-time bit position.
-template <int BITS, int CW, bool VEC>
-__device__ __forceinline__ void load_cols(const uint32_t* __restrict__ blk, int sub,
-                                          uint32_t (&w)[words_per_row<BITS, CW>()]) {
-  if constexpr (CW == 32) {
-    if constexpr (VEC && BITS == 4) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(blk));
-      w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else if constexpr (VEC && BITS == 2) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(blk));
-      w[0] = v.x, w[1] = v.y;
+template <int BITS, int CPL, bool VEC>
+__device__ __forceinline__ void load_lane(LaneCodes<BITS, CPL>& c, const uint32_t* __restrict__ lo,
+                                          const uint32_t* __restrict__ hi) {
+  if constexpr (BITS == 4 && CPL == 16) {
+    if constexpr (VEC) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(lo));
+      c.w[0] = v.x, c.w[1] = v.y;
     } else {
-#pragma unroll
-      for (int i = 0; i < BITS; ++i) w[i] = __ldg(blk + i);
+      c.w[0] = __ldg(lo), c.w[1] = __ldg(lo + 1);
     }
   } else if constexpr (BITS == 3) {
-    const int first = sub * CW;  // CW <= 16: the slice stays inside one 16-value half of the low plane
-    w[0] = __ldg(blk + (first >> 4)) >> ((first & 15) * 2);
-    w[1] = __ldg(blk + 2) >> first;
+    c.w[0] = __ldg(lo);
+    c.w[1] = __ldg(hi);
   } else {
-    constexpr int kNW = words_per_row<BITS, CW>();
-    const int bit0 = sub * CW * BITS;  // multiple of 32 when kNW > 1
-#pragma unroll
-    for (int i = 0; i < kNW; ++i) w[i] = __ldg(blk + (bit0 >> 5) + i);
-    if constexpr (kNW == 1) w[0] >>= (bit0 & 31);
+    c.w[0] = __ldg(lo);
+    c.w[1] = 0u;
   }
 }
 
-// Column k (compile-time) of the slice loaded by load_cols, as float.
-template <int BITS, int CW>
-__device__ __forceinline__ float col_value(const uint32_t (&w)[words_per_row<BITS, CW>()], int k) {
-  if constexpr (CW == 32) {
-    return decode<BITS>(w, k);
+// prmt selector taking byte b of row a (result byte 0) and of row b (result byte 2)
+__host__ __device__ constexpr uint32_t pair_sel(int b) { return static_cast<uint32_t>(b | ((4 + b) << 8)); }
+
+// Per-lane gather selectors: sel[i] for the i-th byte of the lane's low / single plane, hsel[i] for the high plane.
+struct LaneSel {
+  uint32_t sel[4];
+  uint32_t hsel[2];
+};
+
+// Gathered pair word of column cc: the byte holding cc of row a in byte 0, of row b in byte 2.
+template <int BITS, int CPL>
+__device__ __forceinline__ uint32_t pair_word(const LaneCodes<BITS, CPL>& a, const LaneCodes<BITS, CPL>& b, int cc,
+                                              bool high_plane, const LaneSel& ls) {
+  if constexpr (BITS == 4) {
+    const int byte = cc / 2;  // 2 nibbles per byte; CPL = 16: bytes 0-7 over two words
+    return prmt(a.w[byte / 4], b.w[byte / 4], pair_sel(byte % 4));
   } else if constexpr (BITS == 3) {
-    return code_to_float(((w[0] >> (2 * k)) & 3u) | (((w[1] >> k) & 1u) << 2));
+    return high_plane ? prmt(a.w[1], b.w[1], ls.hsel[cc / 8]) : prmt(a.w[0], b.w[0], ls.sel[cc / 4]);
   } else {
-    constexpr uint32_t kMask = (1u << BITS) - 1u;
-    return code_to_float((w[(k * BITS) >> 5] >> ((k * BITS) & 31)) & kMask);
+    return prmt(a.w[0], b.w[0], ls.sel[cc * BITS / 8]);
   }
 }
 
-template <int BITS, int QT, bool VEC>
-__global__ void __launch_bounds__(kThreads) gemv_kivi_kernel(const GemvKiviParams p, const KiviLaunch k) {
-  constexpr int CW = cols_per_thread(QT);
-  constexpr int kNW = words_per_row<BITS, CW>();
-  constexpr int kRedStride = CW + 1;  // padded: column lanes write CW-float runs without bank conflicts
+// Dequantized pair (row a, row b) of the lane's column cc: s * u + z in fp16, from the gathered words.
+template <int BITS>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t X, uint32_t Xh, int cc, const KiviConsts& k, uint32_t s2,
+                                                uint32_t z2) {
+  const int p = pos_of(BITS, cc);
+  const double ml = 1.0 / (1 << p);
+  const uint32_t lo_mask = ((1u << (BITS == 3 ? 2 : BITS)) - 1u) << p;
+  uint32_t u;
+  if constexpr (BITS == 3) {  // u = lo + 4 hi, as in decode_inner_q
+    const int ph = cc % 8;
+    const double mh = 4.0 / (1 << ph);
+    const uint32_t hp = hfma2(mask_or(Xh, 0x00010001u << ph, k.magic), hconst2(mh, mh), k.add[cc % 8]);
+    u = hfma2(mask_or(X, lo_mask * 0x00010001u, k.magic), hconst2(ml, ml), hp);
+  } else {
+    u = hfma2(mask_or(X, lo_mask * 0x00010001u, k.magic), hconst2(ml, ml), k.add[cc % 8]);
+  }
+  return hfma2(u, s2, z2);
+}
+
+template <int BITS, int NT, int CPL, bool VEC>
+__global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(const GemvKiviParams p,
+                                                                                const KiviLaunch k) {
+  constexpr int QR = 4 * NT;      // query rows per pass
+  constexpr int MT = CPL / 2;     // m-tiles per warp
+  constexpr int CT = 8 * CPL;     // columns per warp
   extern __shared__ __align__(16) float smem[];
 
-  const int ct = k.ct;
-  const int tx = threadIdx.x % ct, ty = threadIdx.x / ct, ry = blockDim.x / ct;
   const int H_kv = static_cast<int>(p.H_kv);
   const int64_t b = static_cast<int>(blockIdx.z) / H_kv, hkv = static_cast<int>(blockIdx.z) % H_kv;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * k.rows_per_split;
-  const int rlen = static_cast<int>(min(static_cast<int64_t>(k.rows_per_split), p.R - r0));
-  const int64_t tile_c0 = static_cast<int64_t>(blockIdx.x) * ct * CW;
-  const int64_t c0 = tile_c0 + static_cast<int64_t>(tx) * CW;  // this thread's first column
-  const bool active = c0 < p.C;
-  const int64_t g = c0 / p.group_size;  // CW divides G, so [c0, c0 + CW) is inside group g
-  const int sub = static_cast<int>(c0 & 31) / CW;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * k.split_len;
+  const int rlen = static_cast<int>(min(k.split_len, p.R - r0));
+  const int nks = (rlen + 15) / 16;  // k-steps of the split (the last may be partial)
+  const int nfull = rlen / 16;
 
-  const uint32_t* cbase = p.codes + b * p.c_sb + hkv * p.c_sh + r0 * p.c_sr + (c0 >> 5) * BITS;
-  const uint16_t* sbase = p.scales + b * p.s_sb + hkv * p.s_sh + r0 * p.s_sr + g;
-  const uint16_t* zbase = p.zeros + b * p.z_sb + hkv * p.z_sh + r0 * p.z_sr + g;
-  float* xs = smem;   // [QT][rlen] staged x
-  float* red = smem;  // [ry][ct * kRedStride] row-lane partials (reuses xs once the rows are done)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int cw = k.cw, rw = kWarps / cw;
+  const int ctile = warp % cw, rlane = warp / cw;
+  const int64_t c_cta = static_cast<int64_t>(blockIdx.x) * cw * CT;  // first column of the CTA
+  const int64_t c_warp = c_cta + static_cast<int64_t>(ctile) * CT;
+  // C is a multiple of 32, so a lane's columns are all in or all out; a lane past the end reads the warp's first
+  // columns instead (every lane must join the MMAs) and its results are not stored. A warp wholly past the end idles.
+  const bool warp_ok = c_warp < p.C;
+  const int64_t c_lane = c_warp + static_cast<int64_t>(g) * CPL < p.C ? c_warp + static_cast<int64_t>(g) * CPL : c_warp;
 
-  for (int q0 = 0; q0 < k.qb; q0 += QT) {
+  float* unscale = smem;                                               // [QR] 2^-e per query row
+  unsigned* amax = reinterpret_cast<unsigned*>(smem + QR);             // [QR] float bits of max |x|
+  uint2* xfrag = reinterpret_cast<uint2*>(smem + 4 * NT * 2);          // [NT][nks][32 lanes] (8-byte aligned)
+  float* red = smem + 4 * NT * 2;                                      // [kWarps][QR][CT] after the main loop
+
+  for (int q0 = 0; q0 < k.qb; q0 += QR) {
+    // ---- stage the query tile (as gemv_inner_q: per-row scale 2^e, then hi / lo fragments) ---------------------------
     __syncthreads();
-    for (int q = 0; q < QT; ++q) {
+    if (threadIdx.x < QR) amax[threadIdx.x] = 0u;
+    const auto xoff_of = [&](int q) -> int64_t {
       const int qg = q0 + q;
-      int64_t xoff = -1;
-      if (qg < k.qb) {
-        const int hq = qg / k.tc, t = qg % k.tc;
-        xoff = b * p.x_sb + (hkv * k.gq + hq) * p.x_sh + (k.t0 + t) * p.x_st + r0;
+      return qg < k.qb ? b * p.x_sb + (hkv * k.gq + qg / k.tc) * p.x_sh + (k.t0 + qg % k.tc) * p.x_st + r0 : -1;
+    };
+    __syncthreads();
+#pragma unroll 1
+    for (int q = 0; q < QR; ++q) {
+      const int64_t xoff = xoff_of(q);
+      float m = 0.f;
+      if (xoff >= 0)
+        for (int r = threadIdx.x; r < rlen; r += blockDim.x) m = nan_max(m, fabsf(load_x(p.x, p.x_dtype, xoff + r)));
+      m = warp_max(m);
+      if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
+    }
+    __syncthreads();
+    if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x])));
+    // fragment of lane (col g, t) for k-step ks: x[q][16 ks + 4t .. + 3], q = 4 nt + g / 2, hi (g even) or lo
+#pragma unroll 1
+    for (int task = warp; task < NT * nks; task += kWarps) {
+      const int nt = task / nks, ks = task - nt * nks;
+      const int q = 4 * nt + (g >> 1);
+      const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
+      const int64_t xoff = xoff_of(q);
+      uint16_t hv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = 16 * ks + 4 * t + i;
+        const float v = xoff >= 0 && r < rlen ? load_x(p.x, p.x_dtype, xoff + r) * scale : 0.f;
+        const HalfSplit sp = split_half(v);
+        hv[i] = (g & 1) ? sp.lo : sp.hi;
       }
-      for (int rr = threadIdx.x; rr < rlen; rr += blockDim.x)
-        xs[q * rlen + rr] = xoff >= 0 ? load_x(p.x, p.x_dtype, xoff + rr) : 0.f;
+      xfrag[task * 32 + lane] = make_uint2(pack_half2(hv[0], hv[1]), pack_half2(hv[2], hv[3]));
     }
     __syncthreads();
 
-    float acc[QT][CW];
-    float zacc[QT];
+    // ---- main loop: this warp's k-steps rlane, rlane + rw, ... of the split -------------------------------------------
+    float d[MT][NT][4];
 #pragma unroll
-    for (int q = 0; q < QT; ++q) {
-      zacc[q] = 0.f;
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-      for (int c = 0; c < CW; ++c) acc[q][c] = 0.f;
-    }
-    if (active) {
-#pragma unroll 2
-      for (int rr = ty; rr < rlen; rr += ry) {
-        uint32_t w[kNW];
-        load_cols<BITS, CW, VEC>(cbase + rr * p.c_sr, sub, w);
-        const float s = half_bits_to_float(__ldg(sbase + rr * p.s_sr));
-        const float z = half_bits_to_float(__ldg(zbase + rr * p.z_sr));
-        float a[QT];
+      for (int nt = 0; nt < NT; ++nt) d[i][nt][0] = d[i][nt][1] = d[i][nt][2] = d[i][nt][3] = 0.f;
+
+    if (warp_ok) {
+      const LaneSlot slot = lane_slot<BITS>(c_lane);
+      LaneSel ls;
 #pragma unroll
-        for (int q = 0; q < QT; ++q) {
-          const float xq = xs[q * rlen + rr];
-          a[q] = xq * s;                   // the scale, once per (query row, row, group)
-          zacc[q] = fmaf(xq, z, zacc[q]);  // the zero term, once per (query row, row, group)
+      for (int i = 0; i < 4; ++i) ls.sel[i] = pair_sel(slot.byte0 + i);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) ls.hsel[i] = pair_sel(slot.hbyte0 + i);
+      const int64_t gi = c_lane / p.group_size;
+      // rows 4t .. 4t + 3 of the warp's first k-step, advanced by 16 * rw rows per step; row j = base + j * stride
+      // (offset_rows; strides < 2^29 elements, host-checked)
+      const int64_t rfirst = r0 + 16 * rlane + 4 * t;
+      const uint32_t* crow = p.codes + b * p.c_sb + hkv * p.c_sh + rfirst * p.c_sr;
+      const uint32_t* cr = crow + slot.word;
+      const uint32_t* ch = crow + slot.hword;
+      const uint16_t* sr = p.scales + b * p.s_sb + hkv * p.s_sh + rfirst * p.s_sr + gi;
+      const uint16_t* zr = p.zeros + b * p.z_sb + hkv * p.z_sh + rfirst * p.z_sr + gi;
+      const int64_t c_step = 16 * rw * p.c_sr, s_step = 16 * rw * p.s_sr, z_step = 16 * rw * p.z_sr;
+      const uint2* frag = xfrag + rlane * 32 + lane;
+      const uint32_t cs = static_cast<uint32_t>(4 * p.c_sr), ss = static_cast<uint32_t>(2 * p.s_sr),
+                     zs = static_cast<uint32_t>(2 * p.z_sr);  // bytes
+      const auto kstep = [&](bool partial, int rows_left) {
+        LaneCodes<BITS, CPL> lc[4];
+        uint16_t s[4], z[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool ok = !partial || 4 * t + j < rows_left;  // rows past the split's end dequantize to 0
+          if (ok) {
+            load_lane<BITS, CPL, VEC>(lc[j], offset_rows(cr, j, cs), BITS == 3 ? offset_rows(ch, j, cs) : nullptr);
+            s[j] = __ldg(offset_rows(sr, j, ss));
+            z[j] = __ldg(offset_rows(zr, j, zs));
+          } else {
+            lc[j].w[0] = lc[j].w[1] = 0u;
+            s[j] = z[j] = 0;
+          }
         }
+        const uint32_t s01 = pack_half2(s[0], s[1]), s23 = pack_half2(s[2], s[3]);
+        const uint32_t z01 = pack_half2(z[0], z[1]), z23 = pack_half2(z[2], z[3]);
+        uint2 B[NT];
 #pragma unroll
-        for (int c = 0; c < CW; ++c) {
-          const float u = col_value<BITS, CW>(w, c);
+        for (int nt = 0; nt < NT; ++nt) B[nt] = frag[nt * nks * 32];
 #pragma unroll
-          for (int q = 0; q < QT; ++q) acc[q][c] = fmaf(a[q], u, acc[q][c]);
+        for (int i = 0; i < MT; ++i) {
+          uint32_t A[4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // h = 0: column 2i (A row g), 1: column 2i + 1 (A row g + 8)
+            const int cc = 2 * i + h;
+            const uint32_t X01 = pair_word(lc[0], lc[1], cc, false, ls), X23 = pair_word(lc[2], lc[3], cc, false, ls);
+            const uint32_t H01 = BITS == 3 ? pair_word(lc[0], lc[1], cc, true, ls) : 0u;
+            const uint32_t H23 = BITS == 3 ? pair_word(lc[2], lc[3], cc, true, ls) : 0u;
+            A[h] = decode_pair<BITS>(X01, H01, cc, k.dec, s01, z01);      // rows 4t, 4t + 1
+            A[2 + h] = decode_pair<BITS>(X23, H23, cc, k.dec, s23, z23);  // rows 4t + 2, 4t + 3
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t Bn[2] = {B[nt].x, B[nt].y};
+            mma_m16n8k16(d[i][nt], A, Bn, d[i][nt]);
+          }
         }
+      };
+      int ks = rlane;
+#pragma unroll 1
+      for (; ks < nfull; ks += rw) {
+        kstep(false, 16);
+        cr += c_step, ch += c_step, sr += s_step, zr += z_step, frag += rw * 32;
       }
+      if (ks < nks) kstep(true, rlen - 16 * ks);  // the split's last, partial k-step
     }
 
-    // Sum the ry row lanes, one query row at a time, in a fixed order (deterministic).
+    // ---- combine hi + lo, sum the row lanes, store ----------------------------------------------------------------
+    // lane (g, t) holds, for query row 4 nt + t, columns 2i (d[i][nt][0] + [1]) and 2i + 1 ([2] + [3]) of its range
+    __syncthreads();  // the staged fragments are no longer read: `red` reuses the shared memory
+    float* mine = red + static_cast<int64_t>(warp) * QR * CT;
 #pragma unroll
-    for (int q = 0; q < QT; ++q) {
-      __syncthreads();  // xs / the previous query row's partials are no longer read
-      float* mine = red + ty * (ct * kRedStride) + tx * kRedStride;
+    for (int nt = 0; nt < NT; ++nt) {
+      float* row = mine + (4 * nt + t) * CT + g * CPL;
 #pragma unroll
-      for (int c = 0; c < CW; ++c) mine[c] = acc[q][c] + zacc[q];
-      __syncthreads();
-      const int qg = q0 + q;
-      if (qg < k.qb) {
-        const int hq = qg / k.tc, t = qg % k.tc;
-        float* out = k.out.base + blockIdx.y * k.out.s_split + b * k.out.sb + (hkv * k.gq + hq) * k.out.sh +
-                     t * k.out.st;
-        for (int col = threadIdx.x; col < ct * CW; col += blockDim.x) {
-          const int64_t cg = tile_c0 + col;
-          if (cg >= p.C) continue;
-          const int off = (col / CW) * kRedStride + col % CW;
-          float sum = 0.f;
-          for (int y = 0; y < ry; ++y) sum += red[y * (ct * kRedStride) + off];
-          out[cg] = sum;
-        }
+      for (int i = 0; i < MT; i += 2) {
+        const float4 v = make_float4(d[i][nt][0] + d[i][nt][1], d[i][nt][2] + d[i][nt][3],
+                                     d[i + 1][nt][0] + d[i + 1][nt][1], d[i + 1][nt][2] + d[i + 1][nt][3]);
+        *reinterpret_cast<float4*>(row + 2 * i) = v;
       }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < QR * cw * CT; idx += blockDim.x) {
+      const int q = idx / (cw * CT), rest = idx - q * (cw * CT);
+      const int ct = rest / CT, cc = rest - ct * CT;
+      const int qg = q0 + q;
+      const int64_t c = c_cta + rest;
+      if (qg >= k.qb || c >= p.C) continue;
+      float sum = 0.f;
+      for (int rl = 0; rl < rw; ++rl) sum += red[(static_cast<int64_t>(rl * cw + ct) * QR + q) * CT + cc];  // fixed order
+      float* out = k.out.base + blockIdx.y * k.out.s_split + b * k.out.sb + (hkv * k.gq + qg / k.tc) * k.out.sh +
+                   (qg % k.tc) * k.out.st;
+      out[c] = sum * unscale[q];
     }
   }
 }
 
-// Vector loads only exist for whole-block slices of 2- and 4-bit codes; other combinations get one kernel.
-template <int BITS, int QT>
-void launch_kivi_kernel(bool vec, dim3 grid, size_t smem, cudaStream_t stream, const GemvKiviParams& p,
-                        const KiviLaunch& k) {
-  if constexpr (vec_meaningful(BITS, QT)) {
-    if (vec) {
-      gemv_kivi_kernel<BITS, QT, true><<<grid, kThreads, smem, stream>>>(p, k);
-      return;
-    }
+// ---- kernel selection and planning -------------------------------------------------------------------------------
+using KiviKernel = void (*)(const GemvKiviParams, const KiviLaunch);
+
+template <int BITS, int NT>
+KiviKernel kivi_kernel(int cpl, bool vec) {
+  if (cpl == 8) return gemv_kivi_kernel<BITS, NT, 8, false>;
+  if constexpr (BITS == 4) {  // the only width whose 16 columns span two words: one 8-byte load when aligned
+    if (vec) return gemv_kivi_kernel<4, NT, 16, true>;
   }
-  gemv_kivi_kernel<BITS, QT, false><<<grid, kThreads, smem, stream>>>(p, k);
+  return gemv_kivi_kernel<BITS, NT, 16, false>;
+}
+
+cudaError_t select_kivi_kernel(int bits, int nt, int cpl, bool vec, KiviKernel* fn) {
+  KVK_DISPATCH_BITS(bits, BITS, {
+    switch (nt) {
+      case 1: *fn = kivi_kernel<BITS, 1>(cpl, vec); break;
+      case 2: *fn = kivi_kernel<BITS, 2>(cpl, vec); break;
+      default:
+        set_launch_error("gemv_kivi: unsupported n-tile count %d", nt);
+        return cudaErrorInvalidValue;
+    }
+  })
+  return cudaSuccess;
+}
+
+struct KiviPlan {
+  int nt, cpl, cw;           // n-tiles, columns per lane, column tiles per CTA
+  bool vec;                  // 8-byte code loads (4 bits, 16 columns per lane)
+  int64_t t_chunk;           // query rows per head per launch
+  int64_t col_blocks;        // CTAs along C
+  int64_t split_len;         // rows per split
+  int64_t num_splits;        // CTAs along R
+  size_t smem_bytes;
+  int64_t workspace_floats;
+  int ctas_per_sm;
+  KiviKernel fn;
+  const char* error;
+};
+
+size_t kivi_smem(int64_t rows, int nt, int ct) {
+  const size_t stage = static_cast<size_t>(nt) * ceil_div(rows, 16) * 32 * 8;
+  const size_t reduce = static_cast<size_t>(kWarps) * 4 * nt * ct * sizeof(float);
+  return 2 * 4 * nt * sizeof(float) + std::max(stage, reduce);  // unscale and amax first, then either
+}
+
+bool codes_aligned_8(const GemvKiviParams& p) {
+  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 2 == 0; };
+  return reinterpret_cast<uintptr_t>(p.codes) % 8 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.R, p.c_sr);
+}
+
+KiviPlan plan_kivi(const GemvKiviParams& p) {
+  KiviPlan pl{};
+  const int64_t gq = p.H_q / p.H_kv;
+  pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
+  pl.nt = gq * pl.t_chunk <= 4 ? 1 : 2;
+  pl.cpl = p.C <= 64 ? 8 : 16;  // 64-column stores (head_dim 64 values): one column tile, no idle lanes
+  pl.vec = p.bits == 4 && pl.cpl == 16 && codes_aligned_8(p);
+  if (select_kivi_kernel(p.bits, pl.nt, pl.cpl, pl.vec, &pl.fn) != cudaSuccess) {
+    pl.error = "unsupported bits";
+    return pl;
+  }
+  int occ = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), kWarps * 32,
+                                                    kSmemBudget) != cudaSuccess ||
+      occ < 1)
+    occ = 1;
+  (void)cudaGetLastError();
+  pl.ctas_per_sm = occ;
+  const int64_t wave = static_cast<int64_t>(occ) * std::max(p.num_sms, 1);
+  const int64_t bh = p.B * p.H_kv;
+  const int ct = 8 * pl.cpl;
+  const int64_t tiles = ceil_div(p.C, ct);
+  // column tiles per CTA: the most (fewer CTAs stage the query) that still leaves a wave of CTAs
+  pl.cw = 1;
+  while (pl.cw < kWarps && pl.cw * 2 <= tiles && bh * ceil_div(tiles, pl.cw * 2) >= wave) pl.cw *= 2;
+  pl.col_blocks = ceil_div(tiles, pl.cw);
+  const int rw = kWarps / pl.cw;
+  // rows per split: all of R if shared memory allows, else the longest multiple of 16 * rw that fits
+  int64_t max_rows = 16 * rw;
+  while (kivi_smem(max_rows + 16 * rw, pl.nt, ct) <= kSmemBudget) max_rows += 16 * rw;
+  pl.split_len = p.R <= max_rows ? p.R : max_rows;
+  if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * kMinSplitRows) {
+    const int64_t want = ceil_div(wave, bh * pl.col_blocks);  // splits for one wave (values: long R)
+    const int64_t len = round_up(std::max(ceil_div(p.R, want), kMinSplitRows), 16 * rw);
+    if (len < pl.split_len) pl.split_len = len;
+  }
+  pl.num_splits = ceil_div(p.R, pl.split_len);
+  pl.smem_bytes = kivi_smem(pl.split_len, pl.nt, ct);
+  if (pl.smem_bytes > kSmemBudget) pl.error = "query tile too large for shared memory";
+  pl.workspace_floats = pl.num_splits > 1 ? pl.num_splits * p.B * p.H_q * pl.t_chunk * p.C : 0;
+  if (pl.col_blocks > 0x7fffffff || pl.num_splits > 65535 || bh > 65535) pl.error = "grid too large";
+  if (std::max({p.c_sr, p.s_sr, p.z_sr}) >= (int64_t{1} << 29)) pl.error = "row stride too large";
+  return pl;
 }
 
 }  // namespace
@@ -282,7 +468,7 @@ cudaError_t launch_gemv_kivi(const GemvKiviParams& p, cudaStream_t stream) {
                      (long long)pl.workspace_floats);
     return cudaErrorInvalidValue;
   }
-  const dim3 grid(static_cast<unsigned>(pl.col_tiles), static_cast<unsigned>(pl.num_splits),
+  const dim3 grid(static_cast<unsigned>(pl.col_blocks), static_cast<unsigned>(pl.num_splits),
                   static_cast<unsigned>(p.B * p.H_kv));
   const int64_t gq = p.H_q / p.H_kv;
   for (int64_t t0 = 0; t0 < p.T; t0 += pl.t_chunk) {
@@ -291,16 +477,16 @@ cudaError_t launch_gemv_kivi(const GemvKiviParams& p, cudaStream_t stream) {
     k.tc = static_cast<int>(std::min(pl.t_chunk, p.T - t0));
     k.gq = static_cast<int>(gq);
     k.qb = static_cast<int>(gq * k.tc);
-    k.ct = pl.ct;
-    k.rows_per_split = static_cast<int>(pl.rows_per_split);
+    k.cw = pl.cw;
+    k.split_len = pl.split_len;
+    k.dec = kivi_consts(p.bits);
     if (pl.num_splits == 1) {
       k.out = OutView{p.y + t0 * p.y_st, p.y_sb, p.y_sh, p.y_st, 0};
     } else {
       k.out = OutView{p.workspace, p.H_q * k.tc * p.C, k.tc * p.C, p.C, p.B * p.H_q * k.tc * p.C};
     }
-    KVK_DISPATCH_BITS(p.bits, BITS, {
-      KVK_DISPATCH_QUERY_TILE(pl.qt, QT, { launch_kivi_kernel<BITS, QT>(pl.vec, grid, pl.smem_bytes, stream, p, k); })
-    })
+    const KiviKernel fn = pl.fn;
+    fn<<<grid, kWarps * 32, pl.smem_bytes, stream>>>(p, k);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     if (pl.num_splits > 1) {

@@ -63,31 +63,19 @@ void clear_launch_error();
       return cudaErrorInvalidValue;                                                             \
   }
 
-// Vectorized (16-byte) code loads where the rows are aligned, else 32-bit loads.
-#define KVK_DISPATCH_VEC(vec, CONST, ...)      \
-  if (vec) {                                   \
-    constexpr bool CONST = true;               \
-    __VA_ARGS__                                \
-  } else {                                     \
-    constexpr bool CONST = false;              \
-    __VA_ARGS__                                \
+// n-tiles of the tensor-core GEMVs: 8 MMA columns = 4 query rows x (hi, lo) each.
+#define KVK_DISPATCH_NTILES(nt, CONST, ...)                                                      \
+  switch (nt) {                                                                                  \
+    case 1: { constexpr int CONST = 1; __VA_ARGS__ } break;                                      \
+    case 2: { constexpr int CONST = 2; __VA_ARGS__ } break;                                      \
+    default:                                                                                     \
+      ::kvk::set_launch_error("unsupported n-tile count %d (expected 1 or 2)", (int)(nt));    \
+      return cudaErrorInvalidValue;                                                              \
   }
 
-// ---- tiling rules shared by host planning and device code -------------------------------------------------
-constexpr int kMaxQueryTile = 8;  // query rows held in registers at once; more rows loop over tiles in-block
-
-// Smallest supported register tile holding q rows (q > 8: tiles of 8, looped inside the block).
-__host__ __device__ constexpr int pick_query_tile(int64_t q) { return q <= 1 ? 1 : q <= 2 ? 2 : q <= 4 ? 4 : 8; }
-
+// ---- integer helpers shared by host planning and device code -----------------------------------------------
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
-__host__ __device__ constexpr int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
-__host__ __device__ constexpr int64_t lcm64(int64_t a, int64_t b) { return a / gcd64(a, b) * b; }
-__host__ __device__ constexpr int next_pow2(int64_t v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
 
 // ---- activations --------------------------------------------------------------------------------------------
 template <typename T>
@@ -109,21 +97,10 @@ __device__ __forceinline__ float load_x(const void* x, XDtype dt, int64_t i) {
   }
 }
 
-// ---- codes -------------------------------------------------------------------------------------------------
-// Exact float of a small code u < 2^23: OR it into the mantissa of 2^23 and subtract 2^23. Two full-rate ALU
-// ops (LOP3 + FADD) instead of an I2F, which runs at a quarter rate and is the bottleneck at 1-2 bits.
-__device__ __forceinline__ float code_to_float(uint32_t u) { return __uint_as_float(0x4B000000u | u) - 8388608.0f; }
-
-// Value i (compile-time after unrolling) of the 32-value block in `w`, as float.
-template <int BITS>
-__device__ __forceinline__ float decode(const uint32_t* w, int i) {
-  return code_to_float(unpack_one<BITS>(w, i));
-}
-
 // ---- reductions ----------------------------------------------------------------------------------------------
-// Butterfly sum over aligned groups of `width` lanes (power of two <= 32). Fixed order: deterministic.
-__device__ __forceinline__ float group_sum(float v, int width) {
-  for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+// Maximum over the warp (NaN-propagating, like nan_max), the same in every lane.
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = 16; off > 0; off >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
 

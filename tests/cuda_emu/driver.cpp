@@ -6,10 +6,18 @@
 #include "emu.h"
 #include "cuda/kernels.h"
 #include "kvkernels/packing.cuh"
+#include "kvkernels/mma.cuh"
 #include <random>
 #include <cassert>
 using namespace kvk;
 extern "C" cudaError_t cudaGetLastError(void) { cudaError_t e = kvk_emu::last_err; kvk_emu::last_err = cudaSuccess; return e; }
+// Resident CTAs per SM for the launchers' wave planning: a fixed answer (KVK_EMU_OCC, default 2), so the cases'
+// num_sms argument alone decides how many splits a plan makes.
+extern "C" cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int, size_t) {
+  const char* v = getenv("KVK_EMU_OCC");
+  *n = v ? atoi(v) : 2;
+  return cudaSuccess;
+}
 
 static std::mt19937_64 rng(1234);
 static float frand() { return std::uniform_real_distribution<float>(-1.f, 1.f)(rng); }
@@ -154,7 +162,8 @@ void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int6
       int64_t g = c / G;
       GroupAffine a = group_affine_rt(QuantMode::kAsym, bits, p.scales[b * s_sb + hk * s_sh + r * s_sr + g],
                                       p.zeros[b * s_sb + hk * s_sh + r * s_sr + g]);
-      double w = (double)a.s * u + a.zeff;
+      // the contract (docs/FORMATS.md, GEMV arithmetic): s * u + z is rounded once to fp16 before the products
+      double w = half_bits_to_float(double_to_half_bits((double)a.s * u + a.zeff));
       double xv = xe[b * x_sb + h * x_sh + (has_t ? t * x_st : 0) + r];
       acc += xv * w; mag += std::fabs(xv * w);
     }
@@ -210,6 +219,54 @@ void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, 
          (bad || touched) ? "FAIL" : "ok", bad, touched);
 }
 
+// The register-level decoders of mma.cuh against unpack_one, for random blocks and every thread of a quad (exact:
+// the MMA's A operand must hold the integer codes exactly), and the bit helpers they rely on.
+template <int BITS, int OFF>
+long decode_check(std::mt19937& r, int iters) {
+  long bad = 0;
+  const DecodeConsts k = decode_consts(BITS, OFF);
+  for (int it = 0; it < iters; ++it) {
+    uint32_t w[4];
+    for (auto& x : w) x = r();
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t X = gather_inner_q<BITS>(w, t), Xh = BITS == 3 ? gather_inner_q_high_plane(w, t) : 0u;
+      uint32_t h[4];
+      decode_inner_q<BITS, OFF>(X, Xh, k, h);
+      for (int P = 0; P < 4; ++P)
+        for (int half = 0; half < 2; ++half) {
+          const float want = static_cast<float>(unpack_one<BITS>(w, 8 * t + P + 4 * half)) - OFF;
+          const float got = half_bits_to_float(static_cast<uint16_t>(h[P] >> (16 * half)));
+          if (got != want && bad++ < 5)
+            printf("decode b%d off%d t%d P%d half%d: got %g want %g\n", BITS, OFF, t, P, half, got, want);
+        }
+    }
+  }
+  return bad;
+}
+
+void decode_cases() {
+  std::mt19937 r(7);
+  const long bad = decode_check<1, 0>(r, 20000) + decode_check<1, 1>(r, 20000) + decode_check<2, 0>(r, 20000) +
+                   decode_check<2, 2>(r, 20000) + decode_check<3, 0>(r, 20000) + decode_check<3, 4>(r, 20000) +
+                   decode_check<4, 0>(r, 20000) + decode_check<4, 8>(r, 20000);
+  // prmt sign replication (the hybrid zero MMA's group mask): 0xffff per half whose top bit is set
+  long pbad = 0;
+  for (uint32_t v : {0x80000000u, 0x00008000u, 0x7fff7fffu, 0x80008000u, 0x12345678u, 0xfedcba98u}) {
+    const uint32_t want = ((v & 0x8000u) ? 0x0000ffffu : 0u) | ((v & 0x80000000u) ? 0xffff0000u : 0u);
+    if (prmt(v, 0u, 0xBB99u) != want) pbad++;
+  }
+  // double_to_half_bits (the host hfma2's rounding) agrees with the float conversion
+  long hbad = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float f = std::uniform_real_distribution<float>(-70000.f, 70000.f)(r) * (i % 3 ? 1e-6f : 1.f);
+    if (double_to_half_bits(f) != float_to_half_bits(f)) hbad++;
+  }
+  res.cases++;
+  if (bad || pbad || hbad) res.fails++;
+  printf("decode: %s (decoder mismatches %ld, prmt %ld, half rounding %ld)\n", bad || pbad || hbad ? "FAIL" : "ok", bad,
+         pbad, hbad);
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string which = argc > 1 ? argv[1] : "all";
@@ -229,8 +286,15 @@ int main(int argc, char** argv) {
     // tail in the last split; L < 2 chunks; a G = 96 group straddling the last chunk and the tail; 1 and 2 bits
     inner_q_case(1, 8, 2, 1, false, 16, 4000, 3, 32, QuantMode::kHybrid, XDtype::kF16, false, 1, 0, 0, 16, false, 1);
     inner_q_case(1, 4, 1, 2, true, 37, 288, 3, 96, QuantMode::kAsym, XDtype::kBF16, true, 1, 0, 0, 8, false, 1);
-    inner_q_case(2, 4, 2, 1, false, 21, 96, 2, 32, QuantMode::kSym, XDtype::kF32, true, 2, 0, 0, 8, false, 1);
+    inner_q_case(2, 4, 2, 1, false, 21, 160, 2, 32, QuantMode::kSym, XDtype::kF32, true, 2, 0, 0, 8, false, 1);
     inner_q_case(1, 16, 2, 2, true, 9, 160, 1, 32, QuantMode::kHybrid, XDtype::kF16, false, 3, 0, 0, 8, false, 1);
+    // keys (L = 128, G = 32): the whole-tile loop, then a partial last tile; many tiles per warp on 1 SM; 8 and 12
+    // query rows (two n-tiles; two passes of 8 + 4)
+    for (int mode = 0; mode < 3; ++mode) {
+      inner_q_case(1, 8, 2, 1, false, 1000, 128, 1 + mode, 32, (QuantMode)mode, XDtype::kF16, false, 0, 0, 0, 1, false, 1);
+      inner_q_case(2, 12, 1, 1, false, 77, 128, 4 - mode, 32, (QuantMode)mode, XDtype::kBF16, mode == 1, 0, 0, 0, 8, false);
+    }
+    inner_q_case(1, 4, 1, 1, false, 512, 128, 3, 32, QuantMode::kHybrid, XDtype::kF32, false, 4, 0, 0, 2, false, 1);
     // no whole chunk (L = 96 < 128 at 3 bits), or rows not 16-byte aligned: 32-bit loads throughout
     inner_q_case(1, 4, 2, 1, false, 33, 96, 3, 32, QuantMode::kSym, XDtype::kF16, false, 1, 0, 0, 8, false, 0);
     inner_q_case(1, 4, 2, 1, false, 33, 1056, 3, 32, QuantMode::kSym, XDtype::kF16, false, 2, 0, 0, 8, false, 0);
@@ -253,6 +317,7 @@ int main(int argc, char** argv) {
     quant_case(1, 2, 3, 256, 1, 256, QuantMode::kAsym, 0.25f, XDtype::kF16);
     quant_case(1, 1, 2, 2048, 3, 1024, QuantMode::kHybrid, 0.f, XDtype::kBF16);
   }
+  if (which == "decode" || which == "all") decode_cases();
   if (which == "tests") {
     int sms = argc > 2 ? atoi(argv[2]) : 132;
     struct S { int64_t B, Hq, Hkv, M, L; };

@@ -7,6 +7,7 @@
 // timing, memory ordering beyond barriers, and real NaN bit patterns of the hardware are not modelled.
 // prep.sh rewrites the two constructs host C++ cannot parse (<<<...>>> launches, extern __shared__ arrays).
 #pragma once
+#define KVK_EMU 1  // csrc/kvkernels/mma.cuh: host paths call the warp-collective emulations below
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -26,6 +27,8 @@ namespace kvk_emu {
 struct Warp {
   std::unique_ptr<std::barrier<>> bar;
   float buf[32];
+  uint32_t mma_a[32][4], mma_b[32][2];
+  float mma_c[32][4];
   std::atomic<int> exited{0};
 };
 struct Block {
@@ -36,7 +39,7 @@ struct Block {
 inline thread_local uint3 t_thread, t_block;
 inline thread_local dim3 t_bdim, t_gdim;
 inline thread_local Block* t_blk;
-inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0};
+inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0};
 inline size_t cur_smem = 0;
 inline cudaError_t last_err = cudaSuccess;
 
@@ -90,6 +93,45 @@ inline float shfl_xor(unsigned mask, float v, int off) {
   w.bar->arrive_and_wait();
   return r;
 }
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (fragment layout in csrc/kvkernels/mma.cuh): every lane posts
+// its fragments, then computes its four outputs from all 32 lanes' A and B. Products of fp16 values are exact in
+// double and the 16-term sums nearly so; the result is rounded once to fp32 (the hardware's fp32 accumulation
+// differs in the last bits, which the tests' tolerances cover).
+inline float half_to_float_bits(uint16_t h) {
+  __half_raw r; r.x = h; return __half2float(__half(r));
+}
+inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+  const int tid = t_thread.x, lane = tid % 32;
+  Warp& w = *t_blk->warps[tid / 32];
+  if (w.exited.load()) shuffles_after_exit++;
+  mmas++;
+  for (int i = 0; i < 4; ++i) w.mma_a[lane][i] = a[i], w.mma_c[lane][i] = c[i];
+  w.mma_b[lane][0] = b[0], w.mma_b[lane][1] = b[1];
+  w.bar->arrive_and_wait();
+  auto A = [&](int m, int k) {  // owner lane (m % 8) * 4 + (k % 8) / 2, register (m >= 8) + 2 (k >= 8), half k % 2
+    const uint32_t r = w.mma_a[(m % 8) * 4 + (k % 8) / 2][(m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+    return (double)half_to_float_bits((uint16_t)(r >> (16 * (k % 2))));
+  };
+  auto B = [&](int k, int n) {
+    const uint32_t r = w.mma_b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0];
+    return (double)half_to_float_bits((uint16_t)(r >> (16 * (k % 2))));
+  };
+  const int g = lane / 4, t = lane % 4;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int m = g + (i >= 2 ? 8 : 0), n = 2 * t + (i % 2);
+    double s = w.mma_c[lane][i];
+    for (int k = 0; k < 16; ++k) s += A(m, k) * B(k, n);
+    out[i] = (float)s;
+  }
+  w.bar->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+inline unsigned atomic_max_u32(unsigned* p, unsigned v) {
+  unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+  return old;
+}
 }  // namespace kvk_emu
 
 #define threadIdx kvk_emu::t_thread
@@ -98,9 +140,11 @@ inline float shfl_xor(unsigned mask, float v, int off) {
 #define gridDim kvk_emu::t_gdim
 #define __syncthreads() kvk_emu::syncthreads()
 #define __shfl_xor_sync(m, v, o) kvk_emu::shfl_xor(m, v, o)
+#define atomicMax(p, v) kvk_emu::atomic_max_u32(p, v)
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::min;
 using std::max;
