@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkernels-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h')
 
-.PHONY: demo test venv lint format nvcc-check gpu-stack-check bench clean
+.PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench clean
 
 demo: $(STAMP)
 	$(PY) -m kvkernels demo
@@ -36,6 +36,9 @@ format: $(STAMP)
 
 nvcc-check:
 	bash .ci/nvcc_check.sh
+
+sass-budget: $(STAMP)  # static roofline of the CUDA GEMVs from their SASS (no GPU); fails over budget
+	$(PY) bench/sass_budget.py --markdown build/sass_budget/table.md
 
 gpu-stack-check:  # the GPU machines' torch 2.11+cu130 / triton 3.6 stack on this CPU machine (downloads ~3 GB once)
 	bash .ci/gpu_stack_check.sh

@@ -1,0 +1,93 @@
+"""bench/sass_budget.py, the static roofline of the CUDA GEMVs, measured on planted kernels whose answer is known.
+
+A copy loop (one 16-byte load and store per iteration) must come out far below one instruction per byte; a loop
+that spends 128 FFMAs on every 4-byte load must come out far over the 13-per-byte budget and FMA-bound. Needs nvcc
+and cuobjdump (the CUDA toolkit here, or triton's bundled cuobjdump); skipped without them.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "bench" / "sass_budget.py")
+sb = importlib.util.module_from_spec(_spec)
+sys.modules["sass_budget"] = sb  # dataclasses resolve annotations through the module
+_spec.loader.exec_module(sb)
+
+PLANTED = r"""
+#include <cstdint>
+__global__ void planted_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
+}
+__global__ void planted_fma(const float* __restrict__ src, float* __restrict__ dst, int n, float a, float b) {
+  float acc = 0.f;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    float v = src[i];
+#pragma unroll
+    for (int k = 0; k < 128; ++k) v = fmaf(v, a, b);
+    acc += v;
+  }
+  dst[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
+"""
+
+nvcc = sb.find_nvcc()
+cuobjdump = sb.find_cuobjdump(nvcc)
+pytestmark = pytest.mark.skipif(nvcc is None or cuobjdump is None, reason="needs nvcc and cuobjdump")
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict[str, "sb.Kernel"]:
+    import subprocess
+
+    d = tmp_path_factory.mktemp("planted")
+    src = d / "planted.cu"
+    src.write_text(PLANTED)
+    obj, log = sb.compile_object(nvcc, src, ["90"], d)
+    sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
+    kernels = sb.parse_sass(sass)
+    names = sb.demangle([k.mangled for k in kernels])
+    regs = sb.parse_ptxas(log)
+    out = {}
+    for k, name in zip(kernels, names, strict=True):
+        k.name = name
+        k.regs, k.spill_bytes = regs[(k.mangled, k.arch)]
+        out[name.split("(")[0]] = k
+    return out
+
+
+def measure(k, bytes_per_thread_iter: float) -> dict:
+    hot, key = sb.hot_loops(k)
+    assert hot is not None and key is None
+    return sb.model(sb.count(sb.body(k, hot)), 32 * bytes_per_thread_iter, k.arch)
+
+
+def test_copy_loop_is_far_under_one_instruction_per_byte(planted):
+    m = measure(planted["planted_copy"], 16)  # one 16-byte load per thread and iteration
+    assert m["counts"]["lsu"] == 2  # the LDG.128 and the STG.128
+    assert 3 <= m["counts"]["issue"] <= 12  # load, store, index update, compare, branch (+ address math)
+    assert m["instr_per_byte"] < 1.0
+    assert m["pct_copy_bw"] == 100.0
+
+
+def test_fma_loop_is_far_over_budget_and_fma_bound(planted):
+    m = measure(planted["planted_fma"], 4)  # one float per thread and iteration, 128 FFMAs on it
+    assert m["counts"]["fma"] >= 128
+    assert m["instr_per_byte"] > 26  # twice the budget
+    assert m["weighted_per_byte"] > 13
+    assert m["bottleneck"] in ("issue", "fma")
+    assert m["pct_copy_bw"] < 50
+
+
+def test_spec_and_bytes_of_the_gemv_names():
+    s = sb.spec_of("void kvk::(anonymous namespace)::gemv_inner_q_kernel<3, (kvk::QuantMode)0, 2, true>(...)")
+    assert (s.family, s.bits, s.mode, s.query_rows, s.vec) == ("inner_q", 3, "sym", 8, True)
+    # 16 rows x 4 blocks x (12 code bytes + one fp16 scale)
+    assert sb.bytes_per_iteration(s) == 16 * 4 * (12 + 2)
+    k = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<2, 1, 16, false>(...)")
+    assert (k.family, k.bits, k.cpl, k.query_rows) == ("kivi", 2, 16, 4)
+    # 16 rows x 128 columns x 2 bits + 4 groups x (scale + zero) per row
+    assert sb.bytes_per_iteration(k) == 16 * (128 * 2 / 8 + 4 * 4)
