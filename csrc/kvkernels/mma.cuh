@@ -70,8 +70,9 @@ KVK_HD uint32_t umulhi(uint32_t a, uint32_t b) {
 #endif
 }
 
-// base + j * stride_bytes with one IMAD.WIDE.U32 (ptxas otherwise spends a LEA / LEA.HI.X pair on each of a row
-// block's addresses). j and stride_bytes are 32-bit; the caller guarantees j * stride_bytes < 2^32.
+// base + j * stride_bytes as one mad.wide.u32 in PTX, with 32-bit operands (j and stride_bytes; the caller
+// guarantees j * stride_bytes < 2^32). With a literal j, ptxas 13 still strength-reduces it to a LEA / LEA.HI.X
+// pair per address in the SASS; the 32-bit operands are what it saves over int64 index math.
 template <typename T>
 KVK_HD const T* offset_rows(const T* base, uint32_t j, uint32_t stride_bytes) {
 #if defined(__CUDA_ARCH__)
