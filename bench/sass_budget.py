@@ -366,7 +366,7 @@ class Row:
     preset: bool
 
 
-# (bits, mode) of the InnerQ stores and KIVI stores the presets use (kvkernels/formats.py, PRESETS)
+# (bits, mode) of the InnerQ stores and KIVI stores the presets use (kvkernels/formats/, PRESETS)
 PRESET_INNER_Q = {(3, "sym"), (2, "sym"), (2, "hybrid"), (4, "asym"), (1, "asym")}
 PRESET_KIVI = {1, 2, 4}
 

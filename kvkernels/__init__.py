@@ -4,11 +4,11 @@ Ops live under torch.ops.kvkernels (schemas in csrc/ops.cpp); the typed wrappers
 arguments. kvkernels.reference is the pure-PyTorch spec. kvkernels.backends() says what can run here.
 """
 
-from . import reference
+from . import formats, reference
 from ._backends import backends
 from .attention import decode_attention, reference_decode_attention
-from .cache import InnerQLayerCache, KIVILayerCache
-from .formats import PRESETS, InnerQConfig, KIVIConfig, effective_bits
+from .cache import LayerContext, ModelKVCache
+from .formats import *  # noqa: F403 - every format's config and layer cache, PRESETS, the registry (formats.__all__)
 from .keynorm import compute_key_norm, fold_key_norm_into_attention
 from .ops import (
     dequantize_groups,
@@ -23,15 +23,12 @@ from .ops import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRESETS",
-    "InnerQConfig",
-    "InnerQLayerCache",
-    "KIVIConfig",
-    "KIVILayerCache",
+    *formats.__all__,
+    "LayerContext",
+    "ModelKVCache",
     "backends",
     "compute_key_norm",
     "decode_attention",
-    "effective_bits",
     "fold_key_norm_into_attention",
     "reference_decode_attention",
     "dequantize_groups",

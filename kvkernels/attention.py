@@ -4,14 +4,13 @@ For queries q [B, H_q, T, D] (the last T tokens of the cache; GQA: query head h 
 
     x      = q * scale                                                        (fp32)
     S      = [ x K_sink^T  |  S_quant  |  x K_tail^T ]                        one score per key token, in order
-    S_quant: InnerQ  gemv_inner_q(x, codes of K / norm, x_scale=norm) = (x * norm) . deq(K / norm) ~ x . K
-             KIVI    gemv_kivi(x, key codes)  (keys stored per channel, so the GEMV reduces over channels)
+    S_quant = cache.quantized_key_scores(x)     the format's hook, e.g. InnerQ gemv_inner_q(x, codes of K / norm,
+                                                x_scale=norm) = (x * norm) . deq(K / norm) ~ x . K; KIVI gemv_kivi
     P      = softmax(S + causal mask)                                         ONE softmax over all N tokens, fp32
-    O      = P[sink] V_sink + V_quant(P[value-store tokens]) + P[value tail] V_tail
-    V_quant: InnerQ  gemv_inner_q(P_q, value codes)  (values stored transposed, groups along tokens)
-             KIVI    gemv_kivi(P_q, value codes)     (values stored per token)
+    O      = P[sink] V_sink + cache.quantized_value_output(P[value-store tokens]) + P[value tail] V_tail
 
-The key and value stores cover different token ranges (module docstring of kvkernels.cache), so P is split at
+The two hooks are all attention knows of a format (kvkernels.formats.base.QuantizedLayerCache); it never names
+one. The key and value stores cover different token ranges (kvkernels.formats.base), so P is split at
 the value-side boundaries, not the key-side ones. The fp16 window products are done in fp32 (the windows are at
 most w + G - 1 tokens, so the upcast is negligible next to the quantized GEMVs).
 
@@ -21,9 +20,6 @@ A caller's attn_mask (padding, trees of speculative drafts) replaces it, again o
 """
 
 import torch
-
-from . import ops
-from .formats import InnerQConfig, KIVIConfig
 
 
 def _grouped_matmul(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -72,41 +68,18 @@ def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, batch: int, seq_
         raise ValueError(f"q has T={T} rows but the cache holds {seq_len} tokens; append the new tokens first")
 
 
-def _quantized_key_scores(x: torch.Tensor, cache) -> torch.Tensor:
-    cfg, store = cache.config, cache.key_store
-    B, H_q, T, _ = x.shape
-    if store.n == 0:
-        return x.new_zeros(B, H_q, T, 0)
-    codes, scales, zeros = store.views()
-    if isinstance(cfg, InnerQConfig):
-        # keys stored as K / norm, rows per token: the op folds norm back in on the query side
-        return ops.gemv_inner_q(x, codes, scales, zeros, cfg.key_bits, cfg.group_size, cfg.key_mode, cache.key_norm)
-    return ops.gemv_kivi(x, codes, scales, zeros, cfg.bits, cfg.group_size)
-
-
-def _quantized_value_output(p: torch.Tensor, cache) -> torch.Tensor:
-    cfg, store = cache.config, cache.value_store
-    B, H_q, T, _ = p.shape
-    if store.n == 0:
-        return p.new_zeros(B, H_q, T, cache.head_dim)
-    codes, scales, zeros = store.views()
-    if isinstance(cfg, InnerQConfig):
-        return ops.gemv_inner_q(p, codes, scales, zeros, cfg.value_bits, cfg.group_size, cfg.value_mode)
-    return ops.gemv_kivi(p, codes, scales, zeros, cfg.bits, cfg.group_size)
-
-
 def decode_attention(
     q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Attention of q [B, H_q, T, D] over an InnerQLayerCache / KIVILayerCache; returns [B, H_q, T, D] in q.dtype.
+    """Attention of q [B, H_q, T, D] over a layer cache of any format; returns [B, H_q, T, D] in q.dtype.
 
     scale defaults to D**-0.5. The T rows are the last T tokens of the cache. attn_mask None: causal among
     them. Otherwise attn_mask [B or 1, H_q or 1, T, N] over all N cached tokens in token order replaces the
     causal mask, as SDPA's attn_mask does: bool (True = attend; a fully masked row gets a uniform average, not
     NaN) or float (added to the scores).
     """
-    if not isinstance(cache.config, (InnerQConfig, KIVIConfig)):
-        raise TypeError(f"cache.config must be an InnerQConfig or KIVIConfig, got {type(cache.config).__name__}")
+    if not (hasattr(cache, "quantized_key_scores") and hasattr(cache, "quantized_value_output")):
+        raise TypeError(f"cache must be a kvkernels layer cache (QuantizedLayerCache), got {type(cache).__name__}")
     N = cache.seq_len
     _check_q(q, cache.num_kv_heads, cache.head_dim, cache.batch, N)
     if q.device != cache.device:
@@ -118,7 +91,7 @@ def decode_attention(
     scores = torch.cat(
         [
             _grouped_matmul(x, cache.sink_keys.to(torch.float32).transpose(2, 3)),
-            _quantized_key_scores(x, cache),
+            cache.quantized_key_scores(x),
             _grouped_matmul(x, cache.key_tail.to(torch.float32).transpose(2, 3)),
         ],
         dim=-1,
@@ -127,27 +100,9 @@ def decode_attention(
 
     s, mv = cache.n_sink, cache.value_store.n  # value-side token ranges: [0, s) | [s, s + mv) | [s + mv, N)
     out = _grouped_matmul(p[..., :s], cache.sink_values.to(torch.float32))
-    out = out + _quantized_value_output(p[..., s : s + mv], cache)
+    out = out + cache.quantized_value_output(p[..., s : s + mv])
     out = out + _grouped_matmul(p[..., s + mv :], cache.value_tail.to(torch.float32))
     return out.to(q.dtype)
-
-
-def innerq_decode_attention(
-    q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """decode_attention for an InnerQLayerCache (Figure 2 of the InnerQ paper)."""
-    if not isinstance(cache.config, InnerQConfig):
-        raise TypeError(f"innerq_decode_attention needs an InnerQ cache, got config {type(cache.config).__name__}")
-    return decode_attention(q, cache, scale, attn_mask)
-
-
-def kivi_decode_attention(
-    q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """decode_attention for a KIVILayerCache (same merge, KIVI layouts through gemv_kivi)."""
-    if not isinstance(cache.config, KIVIConfig):
-        raise TypeError(f"kivi_decode_attention needs a KIVI cache, got config {type(cache.config).__name__}")
-    return decode_attention(q, cache, scale, attn_mask)
 
 
 def reference_decode_attention(

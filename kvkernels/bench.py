@@ -17,6 +17,8 @@ with h_kv = h // (H_q / H_kv) (GQA). Each method stores K and V differently:
     kivi2/4        keys per channel [B, H_kv, D, N*b/32] (groups along tokens), values per token
                    [B, H_kv, N, D*b/32] (groups along D), asym; kvkernels.gemv_kivi
 
+The methods come from the format registry (kvkernels.formats): each format's bench_presets run fused, its
+dequant_baselines unfused, in that format's layouts; a registered format joins the sweep without a change here.
 Group size 32 throughout. Codes are random 32-bit words (every bit pattern is a valid code) and scales random
 positive fp16, so the timed kernels see realistic, non-zero data without paying for quantization.
 
@@ -52,7 +54,7 @@ from pathlib import Path
 import torch
 
 import kvkernels
-from kvkernels import _backends
+from kvkernels import _backends, formats
 from kvkernels import reference as ref
 
 CPU_WARNING = "CPU numbers are not GPU numbers"
@@ -77,7 +79,9 @@ SHAPES = {"llama-3.1-8b": ModelShape("llama-3.1-8b", h_q=32, h_kv=8, d=128)}
 @dataclass(frozen=True)
 class Method:
     name: str
-    kind: str  # "fp16" | "dequant" (KIVI layout, unfused) | "inner_q" | "kivi"
+    kind: str  # "fp16" | "dequant" (a format's layout, unfused: dequantize_groups + matmul) | "fused"
+    format: str | None  # the kvkernels.formats name (None: fp16)
+    preset: str | None  # the kvkernels.formats.PRESETS entry whose bits and modes are timed
     k_bits: int
     v_bits: int
     k_mode: str
@@ -86,20 +90,28 @@ class Method:
     doc: str
 
 
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("fp16", "fp16", 16, 16, "-", "-", None, "torch matmul on an fp16 cache"),
-        Method("dequant-kivi2", "dequant", 2, 2, "asym", "asym", "dequantize_groups", "dequantize_groups + matmul"),
-        Method("dequant-kivi4", "dequant", 4, 4, "asym", "asym", "dequantize_groups", "dequantize_groups + matmul"),
-        Method("innerq-base", "inner_q", 3, 3, "sym", "sym", "gemv_inner_q", "K 3b sym, V 3b sym"),
-        Method("innerq-small", "inner_q", 3, 2, "sym", "sym", "gemv_inner_q", "K 3b sym, V 2b sym"),
-        Method("innerq-hybrid", "inner_q", 3, 2, "sym", "hybrid", "gemv_inner_q", "K 3b sym, V 2b hybrid"),
-        Method("innerq-asym4", "inner_q", 4, 4, "asym", "asym", "gemv_inner_q", "K 4b asym, V 4b asym (kivi4's bits)"),
-        Method("kivi2", "kivi", 2, 2, "asym", "asym", "gemv_kivi", "K 2b per-channel, V 2b per-token"),
-        Method("kivi4", "kivi", 4, 4, "asym", "asym", "gemv_kivi", "K 4b per-channel, V 4b per-token"),
-    )
-}
+def _methods() -> dict[str, Method]:
+    # fp16, every format's unfused baselines, then every format's fused presets (bench name: "_" -> "-")
+    fp16 = Method("fp16", "fp16", None, None, 16, 16, "-", "-", None, "torch matmul on an fp16 cache")
+    dequant, fused = [], []
+    for fmt in formats.all_formats():
+        for preset in fmt.dequant_baselines:
+            c = formats.PRESETS[preset]
+            bits = (c.key_bits, c.value_bits, c.key_mode, c.value_mode)
+            name = "dequant-" + preset.replace("_", "-")
+            dequant.append(
+                Method(name, "dequant", fmt.name, preset, *bits, "dequantize_groups", "dequantize_groups + matmul")
+            )
+        for preset in fmt.bench_presets:
+            c = formats.PRESETS[preset]
+            bits = (c.key_bits, c.value_bits, c.key_mode, c.value_mode)
+            fused.append(
+                Method(preset.replace("_", "-"), "fused", fmt.name, preset, *bits, fmt.gemv_op, fmt.describe(c))
+            )
+    return {m.name: m for m in (fp16, *dequant, *fused)}
+
+
+METHODS: dict[str, Method] = _methods()
 
 BACKENDS = ("cuda", "triton", "reference", "cpp")
 BACKEND_DOC = {
@@ -190,50 +202,35 @@ def build_parts(
             Part("output", {"p": p, "V": V}, output, None, _nbytes(p, V) + out_output * 2),
         ]
 
-    kb, vb = method.k_bits, method.v_bits
-    if method.kind == "inner_q":
-        k = _quant_operand((B, Hkv), N, D, kb, method.k_mode, device, asym_frac)  # [B, H_kv, N, D] along D
-        v = _quant_operand((B, Hkv), D, N, vb, method.v_mode, device, asym_frac)  # V^T [B, H_kv, D, N] along N
-
-        def call(x, o, bits, mode, f):
-            return f(x, o["codes"], o["scales"], o["zeros"], bits, GROUP, mode)
-
-        parts = [
-            ("scores", "q", q, k, kb, method.k_mode, out_scores),
-            ("output", "p", p, v, vb, method.v_mode, out_output),
-        ]
-        out = []
-        for name, xn, x, o, bits, mode, n_out in parts:
-            out.append(
-                Part(
-                    name,
-                    {xn: x, **o},
-                    lambda a, xn=xn, bits=bits, mode=mode: call(a[xn], a, bits, mode, impl),
-                    lambda a, xn=xn, bits=bits, mode=mode: call(a[xn], a, bits, mode, ref.gemv_inner_q),
-                    _nbytes(x, *o.values()) + n_out * 4,
-                )
-            )
-        return out
-
-    # KIVI layout, fused (gemv_kivi) or unfused (dequantize_groups, then matmul in fp32)
-    k = _quant_operand((B, Hkv), D, N, kb, "asym", device, asym_frac)  # K^T [B, H_kv, D, N], groups along N
-    v = _quant_operand((B, Hkv), N, D, vb, "asym", device, asym_frac)  # V [B, H_kv, N, D], groups along D
-    parts = [("scores", "q", q, k, kb, out_scores, D, N), ("output", "p", p, v, vb, out_output, N, D)]
+    # the format's layouts: "rows" stores a tensor [N, D] grouped along D, "cols" stores it transposed [D, N]
+    # grouped along N (kvkernels.formats.base.QuantStore); scores reduce over D, the output over N
+    fmt = formats.get_format(method.format)
+    gemv_ref = getattr(ref, fmt.gemv_op)
+    parts = [
+        ("scores", "q", q, fmt.key_layout, method.k_bits, method.k_mode, out_scores),
+        ("output", "p", p, fmt.value_layout, method.v_bits, method.v_mode, out_output),
+    ]
     out = []
-    for name, xn, x, o, bits, n_out, R, C in parts:
-        if method.kind == "kivi":
+    for name, xn, x, layout, bits, mode, n_out in parts:
+        R, C = (N, D) if layout == "rows" else (D, N)
+        o = _quant_operand((B, Hkv), R, C, bits, mode, device, asym_frac)
+        # the reduction dim (D for scores, N for the output) is the operand's last dim, or its rows
+        reduce_last = (C == D) == (name == "scores")
+        if method.kind == "fused":
 
-            def fn(a, xn=xn, bits=bits):
-                return impl(a[xn], a["codes"], a["scales"], a["zeros"], bits, GROUP)
+            def fn(a, xn=xn, bits=bits, mode=mode):
+                return fmt.gemv(impl, a[xn], a["codes"], a["scales"], a["zeros"], bits, GROUP, mode)
 
-        else:
+        else:  # dequant: the whole operand to fp32, then matmul with the query heads grouped per KV head
 
-            def fn(a, xn=xn, bits=bits, R=R, C=C):
-                w = impl(a["codes"], a["scales"], a["zeros"], bits, GROUP, "asym")  # fp32 [B, H_kv, R, C]
+            def fn(a, xn=xn, bits=bits, mode=mode, R=R, C=C, reduce_last=reduce_last):
+                w = impl(a["codes"], a["scales"], a["zeros"], bits, GROUP, mode)  # fp32 [B, H_kv, R, C]
+                if reduce_last:
+                    return (a[xn].float().view(B, Hkv, g, C) @ w.transpose(-1, -2)).view(B, Hq, R)
                 return (a[xn].float().view(B, Hkv, g, R) @ w).view(B, Hq, C)
 
-        def ref_fn(a, xn=xn, bits=bits):
-            return ref.gemv_kivi(a[xn], a["codes"], a["scales"], a["zeros"], bits, GROUP)
+        def ref_fn(a, xn=xn, bits=bits, mode=mode):
+            return fmt.gemv(gemv_ref, a[xn], a["codes"], a["scales"], a["zeros"], bits, GROUP, mode)
 
         out.append(Part(name, {xn: x, **o}, fn, ref_fn, _nbytes(x, *o.values()) + n_out * 4))
     return out

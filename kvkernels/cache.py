@@ -1,498 +1,130 @@
-"""Per-layer quantized KV caches (InnerQ, KIVI) over preallocated stores written in place by the fused ops.
+"""The model-level cache: every layer's quantized KV cache of one model, and the context cross-layer formats read.
 
-One object holds one layer's keys and values, [B, H_kv, N, D] logically, split by token position into
+A layer cache (kvkernels.formats.base.QuantizedLayerCache: one layer's keys and values, with its own windows and
+stores) is all a single-layer format such as InnerQ or KIVI needs, and it can be used on its own. Cross-layer
+formats also read another layer: AQUA-KV predicts layer l from layer l-1's reconstruction, XQuant's odd layers
+reuse the even layer's codes. ModelKVCache owns one layer cache per layer and creates each with a LayerContext
+(its index, and read access to the other layers' caches); the format's make_layer_cache receives it, and a
+cross-layer layer cache keeps it. The per-layer API is unchanged: append / attention / dequantized / crop ...
+on a layer cache, or the same through ModelKVCache with a layer index.
 
-    sink    the first w_sink tokens, fp16 (the cache dtype) forever                     (K and V share it)
-    store   quantized tokens, packed codes + fp16 scales (+ zeros), one store per tensor
-    tail    the most recent tokens, fp16; each tensor has its own tail length
-
-in token order: sink | store | tail. The two tensors differ in how tokens leave the tail, because a token can
-only be quantized once its whole group exists:
-
-    InnerQ keys    per-token groups of G channels   -> one token per step      (tail <= w_recent)
-    InnerQ values  per-channel groups of G tokens   -> G tokens every G steps  (tail <= w_recent + G - 1)
-    KIVI keys      per-channel groups of G tokens   -> G tokens every G steps  (tail <= residual + G - 1)
-    KIVI values    per-token groups of G channels   -> one token per step      (tail <= residual)
-
-so the key and value stores cover different token ranges; attention splits its probabilities accordingly.
-
-Stores are preallocated for `capacity` tokens and only the used part is handed to the ops as narrowed views
-(e.g. codes[..., :n_words] of a [B, H, D, cap*b/32] buffer, row stride cap*b/32); quantize_groups_into writes
-new tokens straight into views of the store. Appends never copy the quantized store: only when the capacity is
-exceeded does `_grow` reallocate at twice the size (or what is needed, if more) and copy the used part once
-(amortized O(1) per token). The fp16 tails are small tensors re-concatenated on append, an O(window) copy.
-
-Per-channel key normalization (InnerQ, key_norm=True, see kvkernels.keynorm): quantized keys are stored as
-K / norm, and attention scales the query by norm inside the fused GEMV (x_scale); the sink and tail keep raw
-keys. The norm is fixed by the first non-empty write into an empty cache (the prefill), from all its keys, or
-given up front with key_norm_factors=.
-
-crop(n) never re-quantizes: tokens already quantized stay quantized, so after a crop a tail may be shorter than
-its window until appends refill it (eviction resumes only once a tail exceeds its window again). Cutting inside
-a store truncates it; only when the cut falls inside a token-group (InnerQ values, KIVI keys: groups of G
-tokens) are the kept tokens of that one group dequantized back into the front of the fp16 tail (they keep their
-quantization error, and are re-quantized when they leave the window again).
+Layers are appended in layer order within a step (as a transformer's forward does), so layer l may read what
+layer l-1 wrote in the same step. The transformers integration (kvkernels.integrations.transformers) keeps one
+ModelKVCache per KVKernelsCache; docs/ARCHITECTURE.md, "Adding a format", shows a cross-layer format plugged in.
 """
-
-import math
 
 import torch
 
-from . import ops
-from .attention import decode_attention
-from .formats import InnerQConfig, KIVIConfig, stores_zeros
-from .keynorm import compute_key_norm
-
-_BLOCK = 32
-_VEC_TOKENS = 128  # tokens whose b-bit codes fill whole 16-byte words for every b in 1..4 (128 * b / 8 bytes)
+from .formats import format_of
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+class LayerContext:
+    """What one layer cache may read of the model it belongs to: its index and the other layers' caches."""
+
+    def __init__(self, model: "ModelKVCache", layer_idx: int):
+        self.model, self.layer_idx = model, layer_idx
+
+    def layer(self, idx: int):
+        """Layer idx's cache, or None if it does not exist (yet). Read it; never write another layer."""
+        layers = self.model.layers
+        return layers[idx] if 0 <= idx < len(layers) else None
+
+    def __repr__(self):
+        return f"LayerContext(layer {self.layer_idx} of {len(self.model.layers)})"
 
 
-class QuantStore:
-    """Quantized tokens of one tensor (K or V) of one layer, preallocated for `capacity` tokens.
+class ModelKVCache:
+    """Every layer's KV cache of one model in one format (any registered config).
 
-    layout "rows": token t is row t, grouped along channels:
-        codes [B, H, cap, D*bits/32], scales/zeros [B, H, cap, D/G]; tokens are added one at a time.
-    layout "cols": transposed, tokens packed along the last dim, grouped along tokens:
-        codes [B, H, D, cap*bits/32], scales/zeros [B, H, D, cap/G]; tokens are added in multiples of G.
-    zeros is None for sym (its zero is implied); writes then use a scratch buffer for the op's zeros output.
-    `n` tokens are used; views() returns the used part as views of the buffers (no copy).
+    ModelKVCache(config, num_layers=None, capacity=1024, **layer_options)
+
+    num_layers: the model's layer count (None: the list grows as layers are created).
+    capacity, layer_options: passed to each layer's make_layer_cache (layer_options: the format's, e.g. InnerQ's
+    rope_paired); create_layer can override them per layer (e.g. one key_norm_factors tensor per layer).
+    Layers are created explicitly (create_layer) or on their first append, from the K/V it is given.
     """
 
-    def __init__(self, layout, bits, group_size, mode, eta, batch, heads, head_dim, capacity, device):
-        if layout not in ("rows", "cols"):
-            raise ValueError(f"layout must be 'rows' or 'cols', got {layout!r}")
-        self.layout, self.bits, self.group_size, self.mode, self.eta = layout, bits, group_size, mode, float(eta)
-        self.heads, self.head_dim, self.device = heads, head_dim, torch.device(device)
-        self.step = 1 if layout == "rows" else group_size  # token granularity of writes and truncations
-        # capacity granularity: G tokens; "cols" rounds to lcm(G, 128) tokens, so a row of cap*b/32 code words is a
-        # whole number of 16-byte words at every b and the CUDA GEMV can read it with 16-byte loads
-        self.cap_unit = group_size if layout == "rows" else math.lcm(group_size, _VEC_TOKENS)
-        self.n = 0
-        self.cap = _round_up(max(int(capacity), group_size), self.cap_unit)
-        self.codes, self.scales, self.zeros = self._alloc(batch, self.cap)
+    def __init__(self, config, num_layers: int | None = None, *, capacity: int = 1024, **layer_options):
+        self.format = format_of(config)
+        if num_layers is not None and (
+            not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
+        ):
+            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        self.config, self.capacity, self.layer_options = config, capacity, layer_options
+        self.layers: list = [None] * (num_layers or 0)
+        self._fixed = num_layers is not None
 
-    # -- buffers ---------------------------------------------------------------------------------------------
-    def _alloc(self, batch: int, cap: int):
-        B, H, D, G, b = batch, self.heads, self.head_dim, self.group_size, self.bits
-        if self.layout == "rows":
-            cshape, gshape = (B, H, cap, D // _BLOCK * b), (B, H, cap, D // G)
-        else:
-            cshape, gshape = (B, H, D, cap // _BLOCK * b), (B, H, D, cap // G)
-        codes = torch.zeros(cshape, dtype=torch.int32, device=self.device)
-        scales = torch.zeros(gshape, dtype=torch.float16, device=self.device)
-        zeros = torch.zeros(gshape, dtype=torch.float16, device=self.device) if stores_zeros(self.mode) else None
-        return codes, scales, zeros
+    def __repr__(self):
+        made = sum(layer is not None for layer in self.layers)
+        return f"ModelKVCache({self.format.name}, layers={len(self.layers)} ({made} created), seq_len={self.seq_len})"
 
-    @property
-    def batch(self) -> int:
-        return self.codes.shape[0]
+    def _check_idx(self, idx: int) -> None:
+        if not isinstance(idx, int) or idx < 0 or (self._fixed and idx >= len(self.layers)):
+            raise IndexError(f"layer index {idx!r} out of range for a {len(self.layers)}-layer ModelKVCache")
 
-    def _narrow(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        # tokens [lo, hi) of one buffer, as a view
-        if t is None:
-            return None
-        if self.layout == "rows":
-            return t[:, :, lo:hi]
-        if t.dtype == torch.int32:  # codes: bits/32 words per token (lo, hi are multiples of G, so of 32)
-            return t[..., lo * self.bits // _BLOCK : hi * self.bits // _BLOCK]
-        return t[..., lo // self.group_size : hi // self.group_size]  # scales/zeros: one per G tokens
+    def context(self, idx: int) -> LayerContext:
+        return LayerContext(self, idx)
 
-    def views(self, lo: int = 0, hi: int | None = None):
-        """(codes, scales, zeros) of tokens [lo, hi) (default: all used), as views of the buffers."""
-        hi = self.n if hi is None else hi
-        return tuple(self._narrow(t, lo, hi) for t in (self.codes, self.scales, self.zeros))
-
-    def _grow(self, needed: int) -> None:
-        """Reallocate to max(2 * cap, needed) tokens and copy the used part; the only place the store is copied."""
-        new_cap = _round_up(max(2 * self.cap, needed), self.cap_unit)
-        used = self.views()
-        self.cap = new_cap
-        self.codes, self.scales, self.zeros = self._alloc(self.batch, new_cap)
-        for dst, src in zip((self.codes, self.scales, self.zeros), used, strict=True):
-            if dst is not None:
-                self._narrow(dst, 0, self.n).copy_(src)
-
-    # -- writes ----------------------------------------------------------------------------------------------
-    def write(self, x: torch.Tensor) -> None:
-        """Quantize x [B, H, n, D] (any float dtype) into tokens [self.n, self.n + n), in place."""
-        n = x.shape[2]
-        if n == 0:
-            return
-        if n % self.step:
-            raise ValueError(f"QuantStore({self.layout}): writes must be multiples of {self.step} tokens, got {n}")
-        if self.n + n > self.cap:
-            self._grow(self.n + n)
-        codes, scales, zeros = self.views(self.n, self.n + n)
-        if zeros is None:  # sym: the op still writes (all-zero) zeros, into a throwaway buffer
-            zeros = torch.empty(scales.shape, dtype=torch.float16, device=scales.device)
-        src = x if self.layout == "rows" else x.transpose(2, 3)
-        ops.quantize_groups_into(
-            src.contiguous(), self.bits, self.group_size, self.mode, self.eta, codes, scales, zeros
+    def create_layer(self, idx, batch, num_kv_heads, head_dim, device="cpu", dtype=torch.float16, **options):
+        """(Re)create layer idx's cache, empty; options override the constructor's capacity / layer_options."""
+        self._check_idx(idx)
+        if idx >= len(self.layers):
+            self.layers.extend([None] * (idx + 1 - len(self.layers)))
+        kw = {"capacity": self.capacity, **self.layer_options, **options}
+        capacity = kw.pop("capacity")
+        self.layers[idx] = self.format.make_layer_cache(
+            self.config, batch, num_kv_heads, head_dim, capacity, device, dtype, context=self.context(idx), **kw
         )
-        self.n += n
+        return self.layers[idx]
 
-    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Tokens [lo, hi) (multiples of step) as fp32 [B, H, hi - lo, D]."""
-        hi = self.n if hi is None else hi
-        if hi <= lo:
-            return torch.zeros(self.batch, self.heads, 0, self.head_dim, device=self.device)
-        codes, scales, zeros = self.views(lo, hi)
-        x = ops.dequantize_groups(codes, scales, zeros, self.bits, self.group_size, self.mode)
-        return x if self.layout == "rows" else x.transpose(2, 3)
+    def layer(self, idx: int):
+        """Layer idx's cache (None before it is created)."""
+        self._check_idx(idx)
+        return self.layers[idx] if idx < len(self.layers) else None
 
-    def truncate(self, n: int) -> None:
-        if n % self.step or not 0 <= n <= self.n:
-            raise ValueError(f"QuantStore: cannot truncate {self.n} tokens to {n} (step {self.step})")
-        self.n = n
+    # -- the per-layer API, by layer index --------------------------------------------------------------------
+    def append(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append K/V [B, H_kv, n, D] to layer idx, creating it from their shape, device and dtype if needed."""
+        cache = self.layer(idx)
+        if cache is None:
+            if k.dim() != 4:
+                raise ValueError(f"k must be [B, H_kv, n, D], got shape {list(k.shape)}")
+            dtype = k.dtype if k.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+            cache = self.create_layer(idx, k.shape[0], k.shape[1], k.shape[3], k.device, dtype)
+        cache.append(k, v)
 
-    def map_batch(self, fn) -> None:
-        """Apply a batch-dim transform (index_select, repeat_interleave) to every buffer."""
-        self.codes, self.scales = fn(self.codes), fn(self.scales)
-        if self.zeros is not None:
-            self.zeros = fn(self.zeros)
+    def attention(self, idx: int, q: torch.Tensor, scale: float | None = None, attn_mask=None) -> torch.Tensor:
+        """Decode attention of q [B, H_q, T, D] over layer idx (kvkernels.attention.decode_attention)."""
+        cache = self.layer(idx)
+        if cache is None:
+            raise ValueError(f"layer {idx} has no cache yet: append its K/V first")
+        return cache.attention(q, scale, attn_mask)
 
-    # -- accounting ------------------------------------------------------------------------------------------
-    def used_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.views() if t is not None)
-
-    def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
-
-
-class _QuantizedLayerCache:
-    """Shared machinery: fp16 sink, per-tensor quantized store and fp16 tail, batch ops, accounting.
-
-    Subclasses set the stores' layouts and windows and how keys enter / leave the key store.
-    """
-
-    config: InnerQConfig | KIVIConfig
-
-    def __init__(self, config, batch, num_kv_heads, head_dim, capacity, device, dtype, key_layout, value_layout):
-        for name, val in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        G = config.group_size
-        if head_dim % G:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of group_size={G}")
-        if not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
-        self.config = config
-        self.batch, self.num_kv_heads, self.head_dim = batch, num_kv_heads, head_dim
-        # resolved through a tensor so "cuda" compares equal to the tensors' "cuda:0"
-        self.device, self.dtype = torch.empty(0, device=device).device, dtype
-        self.w_sink, self.w_recent = config.w_sink, config.w_recent
-        qcap = max(capacity - self.w_sink - self.w_recent, G)
-        args = (batch, num_kv_heads, head_dim, qcap, self.device)
-        kmode, vmode = config.key_mode, config.value_mode
-        self.key_store = QuantStore(key_layout, config.key_bits, G, kmode, config.eta_for(kmode), *args)
-        self.value_store = QuantStore(value_layout, config.value_bits, G, vmode, config.eta_for(vmode), *args)
-        # the sink is preallocated (it never moves); tails are re-concatenated on append (O(window))
-        self._sink_k = torch.zeros(batch, num_kv_heads, self.w_sink, head_dim, dtype=dtype, device=self.device)
-        self._sink_v = torch.zeros_like(self._sink_k)
-        self.reset()
-
-    # -- state -----------------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget every token (buffers are kept for reuse); a computed key norm is forgotten too."""
-        self.n_sink = 0
-        self.key_store.truncate(0)
-        self.value_store.truncate(0)
-        self.key_tail = self._empty_window()
-        self.value_tail = self._empty_window()
-
-    def _empty_window(self) -> torch.Tensor:
-        return torch.zeros(self.batch, self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+    def _created(self):
+        return [layer for layer in self.layers if layer is not None]
 
     @property
     def seq_len(self) -> int:
-        """Tokens held (sink + quantized + fp16 tail; equal for keys and values)."""
-        return self.n_sink + self.key_store.n + self.key_tail.shape[2]
-
-    @property
-    def sink_keys(self) -> torch.Tensor:
-        """fp16 sink keys [B, H_kv, n_sink, D] (a view)."""
-        return self._sink_k[:, :, : self.n_sink]
-
-    @property
-    def sink_values(self) -> torch.Tensor:
-        return self._sink_v[:, :, : self.n_sink]
-
-    def token_counts(self) -> dict[str, int]:
-        """Tokens in each part: sink, key_quantized, key_tail, value_quantized, value_tail, total."""
-        return {
-            "sink": self.n_sink,
-            "key_quantized": self.key_store.n,
-            "key_tail": self.key_tail.shape[2],
-            "value_quantized": self.value_store.n,
-            "value_tail": self.value_tail.shape[2],
-            "total": self.seq_len,
-        }
-
-    # -- key transform hooks (InnerQ normalizes; KIVI stores keys as they are) --------------------------------
-    def _on_first_write(self, k: torch.Tensor) -> None:
-        pass
-
-    def _keys_to_store(self, k: torch.Tensor) -> torch.Tensor:
-        return k
-
-    def _keys_from_store(self, k: torch.Tensor) -> torch.Tensor:
-        return k
-
-    # -- writes ----------------------------------------------------------------------------------------------
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.dim() != 4 or k.shape != v.shape:
-            raise ValueError(f"k and v must both be [B, H_kv, n, D], got {list(k.shape)} and {list(v.shape)}")
-        B, H, _, D = k.shape
-        if (B, H, D) != (self.batch, self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"k/v must be [B={self.batch}, H_kv={self.num_kv_heads}, n, D={self.head_dim}], got {list(k.shape)}"
-            )
-        if k.device != self.device or v.device != self.device:
-            raise ValueError(f"k/v must be on {self.device}, got {k.device} / {v.device}")
-        if not (k.dtype.is_floating_point and v.dtype.is_floating_point):
-            raise TypeError(f"k/v must be floating point, got {k.dtype} / {v.dtype}")
-
-    def prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the prompt's K/V [B, H_kv, N, D] into an empty cache (N may be 0 or shorter than the windows).
-
-        Fixes the key norm (InnerQ, key_norm=True) from these keys, then quantizes everything outside the windows
-        at once: keys/values per the module docstring (the tensor grouped along tokens quantizes the largest
-        multiple of G and leaves the rest in its fp16 tail).
-        """
-        if self.seq_len:
-            raise ValueError(f"prefill needs an empty cache, this one holds {self.seq_len} tokens; call reset() first")
-        self.append(k, v)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append n >= 1 new tokens' K/V [B, H_kv, n, D] (a decode step, or a speculative chunk).
-
-        Tokens fill the sink first, then join the fp16 tails; whatever leaves a tail is quantized in place into
-        the stores. Appending to an empty cache is a prefill.
-        """
-        self._check_kv(k, v)
-        n = k.shape[2]
-        if n == 0:
-            return
-        if self.seq_len == 0:
-            self._on_first_write(k)
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        take = min(self.w_sink - self.n_sink, n)
-        if take:  # only while the cache is shorter than w_sink, so stores and tails are empty
-            self._sink_k[:, :, self.n_sink : self.n_sink + take] = k[:, :, :take]
-            self._sink_v[:, :, self.n_sink : self.n_sink + take] = v[:, :, :take]
-            self.n_sink += take
-        if take == n:
-            return
-        self.key_tail = self._evict(
-            torch.cat([self.key_tail, k[:, :, take:]], dim=2), self.key_store, self._keys_to_store
-        )
-        self.value_tail = self._evict(torch.cat([self.value_tail, v[:, :, take:]], dim=2), self.value_store, None)
-
-    def _evict(self, tail: torch.Tensor, store: QuantStore, transform) -> torch.Tensor:
-        # quantize the oldest tail tokens beyond the window, in whole multiples of the store's step
-        n_out = (tail.shape[2] - self.w_recent) // store.step * store.step
-        if n_out <= 0:
-            return tail
-        out = tail[:, :, :n_out]
-        store.write(transform(out) if transform is not None else out)
-        return tail[:, :, n_out:]
-
-    # -- reads -----------------------------------------------------------------------------------------------
-    def attention(
-        self, q: torch.Tensor, scale: float | None = None, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Decode attention of q [B, H_q, T, D] over the whole cache (see kvkernels.attention.decode_attention).
-
-        The T query rows are the last T tokens of the cache (append them first), with a causal mask among them
-        unless attn_mask [B or 1, H_q or 1, T, N] (bool True = attend, or additive float) is given.
-        """
-        return decode_attention(q, self, scale, attn_mask)
-
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full (K, V) [B, H_kv, N, D] in fp32: windows exact, stores dequantized (keys un-normalized)."""
-        ks = self._keys_from_store(self.key_store.dequantize())
-        k = torch.cat([self.sink_keys.float(), ks, self.key_tail.float()], dim=2)
-        v = torch.cat([self.sink_values.float(), self.value_store.dequantize(), self.value_tail.float()], dim=2)
-        return k, v
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes used: quantized stores (codes + scales + zeros, used part only), fp16 windows, and references.
-
-        keys: key_quantized, value_quantized, quantized (their sum), window (sink + tails, in the cache dtype),
-        total (quantized + window), fp16_equivalent (2 * B * H_kv * N * D * 2), allocated (every buffer,
-        capacity included).
-        """
-        kq, vq = self.key_store.used_bytes(), self.value_store.used_bytes()
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        window_tokens = 2 * self.n_sink + self.key_tail.shape[2] + self.value_tail.shape[2]
-        window = window_tokens * self.batch * self.num_kv_heads * self.head_dim * esize
-        tails_alloc = (self.key_tail.numel() + self.value_tail.numel()) * esize
-        sink_alloc = 2 * self._sink_k.numel() * esize
-        return {
-            "key_quantized": kq,
-            "value_quantized": vq,
-            "quantized": kq + vq,
-            "window": window,
-            "total": kq + vq + window,
-            "fp16_equivalent": 2 * self.batch * self.num_kv_heads * self.seq_len * self.head_dim * 2,
-            "allocated": self.key_store.allocated_bytes()
-            + self.value_store.allocated_bytes()
-            + sink_alloc
-            + tails_alloc,
-        }
-
-    # -- editing ---------------------------------------------------------------------------------------------
-    def crop(self, n: int) -> None:
-        """Keep the first n tokens (n < 0: drop the last -n, like transformers' DynamicCache.crop).
-
-        Quantized tokens are never re-quantized: a cut inside a store truncates it, and a cut inside a
-        token-group dequantizes that group's kept tokens back into the fp16 tail (module docstring).
-        """
-        N = self.seq_len
-        if n < 0:
-            n = max(N + n, 0)
-        if n >= N:
-            return
-        if n <= self.n_sink:
-            self.n_sink = n
-            self.key_store.truncate(0)
-            self.value_store.truncate(0)
-            self.key_tail, self.value_tail = self._empty_window(), self._empty_window()
-            return
-        rest = n - self.n_sink
-        self.key_tail = self._crop_one(rest, self.key_store, self.key_tail, self._keys_from_store)
-        self.value_tail = self._crop_one(rest, self.value_store, self.value_tail, None)
-
-    def _crop_one(self, rest: int, store: QuantStore, tail: torch.Tensor, from_store) -> torch.Tensor:
-        # keep `rest` tokens after the sink of one tensor; returns its new tail
-        if rest >= store.n:
-            return tail[:, :, : rest - store.n]
-        keep = rest // store.step * store.step
-        back = store.dequantize(keep, keep + store.step)[:, :, : rest - keep] if rest > keep else None
-        store.truncate(keep)
-        if back is None:
-            return self._empty_window()
-        back = from_store(back) if from_store is not None else back
-        return back.to(self.dtype).contiguous()
-
-    def _map_batch(self, fn) -> None:
-        self.key_store.map_batch(fn)
-        self.value_store.map_batch(fn)
-        self._sink_k, self._sink_v = fn(self._sink_k), fn(self._sink_v)
-        self.key_tail, self.value_tail = fn(self.key_tail), fn(self.value_tail)
-        self.batch = self._sink_k.shape[0]
-
-    def _index(self, index) -> torch.Tensor:
-        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
-        if idx.dim() != 1:
-            raise ValueError(f"index must be 1-D, got shape {list(idx.shape)}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch):
-            raise IndexError(f"batch index out of range [0, {self.batch}): {idx.tolist()}")
-        return idx
-
-    def reorder(self, index) -> None:
-        """Beam search: row b becomes old row index[b] (index_select on the batch dim; batch size unchanged)."""
-        idx = self._index(index)
-        if idx.numel() != self.batch:
-            raise ValueError(f"reorder keeps the batch size {self.batch}; use batch_select for {idx.numel()} rows")
-        self._map_batch(lambda t: t.index_select(0, idx))
-
-    def batch_select(self, index) -> None:
-        """Keep the batch rows in index (in that order); the batch size becomes len(index)."""
-        idx = self._index(index)
-        if idx.numel() == 0:
-            raise ValueError("batch_select needs at least one row")
-        self._map_batch(lambda t: t.index_select(0, idx))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every batch row `repeats` times in place (row b -> rows b*r .. b*r + r - 1)."""
-        if not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-
-class InnerQLayerCache(_QuantizedLayerCache):
-    """One layer's InnerQ KV cache (keys per-token groups, values per-channel groups, fp16 sink + recent).
-
-    Stores: keys "rows" codes [B, H, cap, D*kb/32], scales/zeros [B, H, cap, D/G] (one token leaves the
-    w_recent window per step); values "cols" codes [B, H, D, cap*vb/32], scales/zeros [B, H, D, cap/G] (G
-    tokens leave together). key_norm_factors: fixed fp32 [H_kv, D] norm to use instead of the prefill's
-    (needs config.key_norm); rope_paired: pair channels c and c + D/2 in the computed norm (kvkernels.keynorm).
-    `key_norm` is the norm in use (None before the prefill, or when key_norm=False).
-    """
-
-    def __init__(
-        self,
-        config: InnerQConfig,
-        batch: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int = 1024,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float16,
-        key_norm_factors: torch.Tensor | None = None,
-        rope_paired: bool = True,
-    ):
-        if not isinstance(config, InnerQConfig):
-            raise TypeError(f"InnerQLayerCache needs an InnerQConfig, got {type(config).__name__}")
-        self.rope_paired = rope_paired
-        self._fixed_norm = None
-        if key_norm_factors is not None:
-            if not config.key_norm:
-                raise ValueError("key_norm_factors given but config.key_norm is False")
-            f = key_norm_factors.detach().to(device=device, dtype=torch.float32).contiguous()
-            if tuple(f.shape) != (num_kv_heads, head_dim):
-                raise ValueError(
-                    f"key_norm_factors must be [H_kv, D] = [{num_kv_heads}, {head_dim}], got {list(f.shape)}"
-                )
-            if not torch.isfinite(f).all() or bool((f <= 0).any()):
-                raise ValueError("key_norm_factors must be finite and positive")
-            self._fixed_norm = f
-        super().__init__(config, batch, num_kv_heads, head_dim, capacity, device, dtype, "rows", "cols")
+        """Tokens held by the first created layer (0 if none)."""
+        created = self._created()
+        return created[0].seq_len if created else 0
 
     def reset(self) -> None:
-        super().reset()
-        self.key_norm = self._fixed_norm
+        for layer in self._created():
+            layer.reset()
 
-    def _on_first_write(self, k: torch.Tensor) -> None:
-        if self.config.key_norm and self.key_norm is None:
-            self.key_norm = compute_key_norm(k, rope_paired=self.rope_paired)
+    def crop(self, n: int) -> None:
+        for layer in self._created():
+            layer.crop(n)
 
-    def _keys_to_store(self, k: torch.Tensor) -> torch.Tensor:
-        if self.key_norm is None:
-            return k
-        return k.to(torch.float32) / self.key_norm[None, :, None, :]
+    def reorder(self, index) -> None:
+        for layer in self._created():
+            layer.reorder(index)
 
-    def _keys_from_store(self, k: torch.Tensor) -> torch.Tensor:
-        return k if self.key_norm is None else k * self.key_norm[None, :, None, :]
-
-
-class KIVILayerCache(_QuantizedLayerCache):
-    """One layer's KIVI KV cache (keys per-channel groups of G tokens, values per-token groups; asym + eta).
-
-    Stores: keys "cols" codes [B, H, D, cap*b/32], scales/zeros [B, H, D, cap/G] (G tokens leave the residual
-    window together); values "rows" codes [B, H, cap, D*b/32], scales/zeros [B, H, cap, D/G] (one per step).
-    Optional fp16 sink of the first config.w_sink tokens (KIVI_Sink); w_sink=0 is plain KIVI.
-    """
-
-    def __init__(
-        self,
-        config: KIVIConfig,
-        batch: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int = 1024,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float16,
-    ):
-        if not isinstance(config, KIVIConfig):
-            raise TypeError(f"KIVILayerCache needs a KIVIConfig, got {type(config).__name__}")
-        super().__init__(config, batch, num_kv_heads, head_dim, capacity, device, dtype, "cols", "rows")
-
-    key_norm = None  # KIVI has no key normalization (uniform attribute for decode_attention)
+    def memory_bytes(self) -> dict[str, int]:
+        """Every created layer's memory_bytes(), summed."""
+        total: dict[str, int] = {}
+        for layer in self._created():
+            for key, val in layer.memory_bytes().items():
+                total[key] = total.get(key, 0) + val
+        return total

@@ -18,26 +18,17 @@ import torch
 
 from . import _backends, ops
 from .attention import reference_decode_attention
-from .cache import InnerQLayerCache, KIVILayerCache
-from .formats import PRESETS, InnerQConfig, effective_bits
+from .formats import PRESETS, effective_bits, make_layer_cache
 
 # Part 1 loads its model from a local directory, offline. huggingface_hub reads HF_HUB_OFFLINE once, when it is
 # first imported (by transformers), so it is set here, at import: none of the imports above pulls in transformers
 # or huggingface_hub, and parts 1 and 3 import transformers lazily, after this. An explicit setting wins.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# InnerQ-layout rows first, then KIVI; equal average bits pair up: innerq_small / kivi2 (3.0), innerq_asym4 / kivi4
-# (5.0), innerq_asym1_eta / kivi1_eta (2.0)
-METHODS = (
-    "innerq_base",
-    "innerq_small",
-    "innerq_hybrid",
-    "innerq_asym4",
-    "innerq_asym1_eta",
-    "kivi2",
-    "kivi4",
-    "kivi1_eta",
-)
+# Every registered preset, in registration order (InnerQ-layout rows first, then KIVI; equal average bits pair up:
+# innerq_small / kivi2 (3.0), innerq_asym4 / kivi4 (5.0), innerq_asym1_eta / kivi1_eta (2.0)). Read at import, so a
+# format registered later (a test's toy) does not join the demo.
+METHODS = tuple(PRESETS)
 
 TEXT = (
     "The printing press changed how knowledge moved through Europe. Before it, a book was copied by hand, one "
@@ -58,12 +49,6 @@ TEXT = (
 )
 
 
-def make_layer_cache(method: str, batch: int, num_kv_heads: int, head_dim: int, capacity: int, device, dtype):
-    config = PRESETS[method]
-    cls = InnerQLayerCache if isinstance(config, InnerQConfig) else KIVILayerCache
-    return cls(config, batch, num_kv_heads, head_dim, capacity=capacity, device=device, dtype=dtype)
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -82,7 +67,7 @@ def _print_table(title: str, header: list[str], rows: list[list[str]], note: str
 def _layer_errors(method: str, q, k, v, device) -> dict[str, float]:
     """Quantize one layer's K/V [B, H_kv, N, D] with `method`, run one decode step for q [B, H_q, 1, D]."""
     B, H_kv, N, D = k.shape
-    cache = make_layer_cache(method, B, H_kv, D, capacity=N, device=device, dtype=torch.float16)
+    cache = make_layer_cache(PRESETS[method], B, H_kv, D, capacity=N, device=device, dtype=torch.float16)
     cache.prefill(k.half(), v.half())
     k_deq, v_deq = cache.dequantized()
     out = cache.attention(q.half()).float()

@@ -3,14 +3,8 @@
 import pytest
 import torch
 
-from kvkernels.attention import (
-    decode_attention,
-    innerq_decode_attention,
-    kivi_decode_attention,
-    reference_decode_attention,
-)
-from kvkernels.cache import InnerQLayerCache, KIVILayerCache
-from kvkernels.formats import PRESETS, InnerQConfig, KIVIConfig
+from kvkernels.attention import decode_attention, reference_decode_attention
+from kvkernels.formats import PRESETS, InnerQConfig, InnerQLayerCache, KIVIConfig, KIVILayerCache
 
 
 def make_cache(config, B, H_kv, D, dtype=torch.float32, device="cpu", capacity=64):
@@ -133,19 +127,17 @@ def test_half_precision_caches(preset, dtype, device):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-def test_scale_argument_and_wrappers():
+def test_scale_argument_and_method():
     ci, _, _ = filled(PRESETS["innerq_base"])
     ck, _, _ = filled(PRESETS["kivi2"])
     q = query(2, 4, 1, 64)
     # fp32 on both sides, summed in different orders (split softmax + GEMVs vs one SDPA over |out| ~ 1): 1e-5
     torch.testing.assert_close(
-        innerq_decode_attention(q, ci, 0.3), reference_decode_attention(q, *ci.dequantized(), 0.3), rtol=1e-5, atol=1e-5
+        decode_attention(q, ci, 0.3), reference_decode_attention(q, *ci.dequantized(), 0.3), rtol=1e-5, atol=1e-5
     )
-    torch.testing.assert_close(kivi_decode_attention(q, ck), decode_attention(q, ck), rtol=0, atol=0)
-    with pytest.raises(TypeError, match="InnerQ"):
-        innerq_decode_attention(q, ck)
-    with pytest.raises(TypeError, match="KIVI"):
-        kivi_decode_attention(q, ci)
+    torch.testing.assert_close(ck.attention(q), decode_attention(q, ck), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="layer cache"):
+        decode_attention(q, object())
 
 
 def test_query_validation():

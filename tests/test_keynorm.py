@@ -5,8 +5,7 @@ import torch
 from torch import nn
 
 from kvkernels.attention import reference_decode_attention
-from kvkernels.cache import InnerQLayerCache
-from kvkernels.formats import InnerQConfig
+from kvkernels.formats import InnerQConfig, InnerQLayerCache
 from kvkernels.keynorm import KEY_NORM_EPS, check_rope_paired, compute_key_norm, fold_key_norm_into_attention
 
 

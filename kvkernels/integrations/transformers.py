@@ -67,13 +67,12 @@ Generation support: get_seq_length, get_mask_sizes, get_max_length / get_max_cac
 reorder_cache (beam search), crop (assisted / prompt-lookup decoding; negative = drop that many tokens, positive
 = keep that many, 5.17's legacy meaning), batch_select_indices, batch_repeat_interleave, reset;
 is_compileable=False (caches change shape every step) and is_croppable=False (a crop keeps tokens that were
-quantized while the cropped tokens were present quantized, see kvkernels.cache). Works with transformers 5.17+.
+quantized while the cropped tokens were present quantized, see kvkernels.formats.base). Works with transformers 5.17+.
 Only full-attention layers are supported (no sliding-window / linear-attention layer types).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -101,8 +100,8 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
     )
 
 from .. import ops
-from ..cache import InnerQLayerCache, KIVILayerCache
-from ..formats import PRESETS, InnerQConfig, KIVIConfig, effective_bits
+from ..cache import ModelKVCache
+from ..formats import PRESETS, all_formats, effective_bits, format_of, preset_format
 
 ATTN_IMPLEMENTATION = "kvkernels"
 METHODS = (*PRESETS, "fp16")
@@ -115,35 +114,19 @@ _CACHE_OPTIONS = ("capacity", "fused", "max_fused_q_len", "key_norm_factors", "r
 # method configs
 
 
-def method_config(method: str, **overrides) -> InnerQConfig | KIVIConfig | None:
-    """The format of `method` with overrides applied (None for "fp16", which ignores quantization overrides).
+def method_config(method: str, **overrides):
+    """The config of preset `method` with overrides applied (None for "fp16", which ignores quantization overrides).
 
     Overrides are the config's fields (InnerQConfig: key_bits, key_mode, value_bits, value_mode, group_size,
-    w_sink, w_recent, key_norm, eta; KIVIConfig: bits, group_size, residual, eta, w_sink), plus two aliases so one set
-    of overrides fits every method: `bits` sets key_bits and value_bits (InnerQ), `w_recent` sets residual (KIVI).
+    w_sink, w_recent, key_norm, eta; KIVIConfig: bits, group_size, residual, eta, w_sink), plus each format's
+    aliases (Format.aliases) so one set of overrides fits every method: `bits` sets key_bits and value_bits
+    (InnerQ), `w_recent` sets residual (KIVI).
     """
     if method == "fp16":
         return None
-    if method not in PRESETS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    base = PRESETS[method]
-    kw = dict(overrides)
-    if isinstance(base, InnerQConfig) and "bits" in kw:
-        bits = kw.pop("bits")
-        kw.setdefault("key_bits", bits)
-        kw.setdefault("value_bits", bits)
-    if isinstance(base, KIVIConfig) and "w_recent" in kw:
-        if "residual" in kw and kw["residual"] != kw["w_recent"]:
-            raise ValueError("KIVI: w_recent is an alias of residual; give one of them")
-        kw["residual"] = kw.pop("w_recent")
-    names = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(kw) - names)
-    if unknown:
-        raise ValueError(
-            f"{method}: unknown override(s) {unknown}; {type(base).__name__} fields are {sorted(names)}"
-            + (" (and the alias bits)" if isinstance(base, InnerQConfig) else " (and the alias w_recent)")
-        )
-    return dataclasses.replace(base, **kw)
+    if method not in PRESETS:  # read now, not at import: formats registered later count
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join((*PRESETS, 'fp16'))}")
+    return preset_format(method).apply_overrides(PRESETS[method], overrides, label=method)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -215,8 +198,10 @@ class _FullPrecisionLayerCache:
 
 
 class KVKernelsLayer(CacheLayerMixin):
-    """One transformer layer's KV cache: a kvkernels InnerQLayerCache / KIVILayerCache (or the fp16 store),
-    created on the first update from the tensors' batch, heads, head_dim, device and dtype.
+    """One transformer layer's KV cache: a kvkernels layer cache of the config's format (or the fp16 store),
+    created on the first update from the tensors' batch, heads, head_dim, device and dtype, as layer layer_idx of
+    model_cache (the KVKernelsCache's ModelKVCache, through which cross-layer formats read their neighbours; a
+    private one-layer ModelKVCache when None).
 
     `cache` is that object (None before the first update); `paths` counts how update served each call:
     prefill (quantize, return full precision for SDPA), fused (append, return handles), dequantized (append,
@@ -229,7 +214,7 @@ class KVKernelsLayer(CacheLayerMixin):
 
     def __init__(
         self,
-        config: InnerQConfig | KIVIConfig | None,
+        config,
         capacity: int = 256,
         fused: bool | None = None,
         max_fused_q_len: int = 32,
@@ -237,12 +222,20 @@ class KVKernelsLayer(CacheLayerMixin):
         rope_paired: bool = True,
         model_config=None,
         layer_idx: int | None = None,
+        model_cache: ModelKVCache | None = None,
     ):
         super().__init__()
         if not isinstance(max_fused_q_len, int) or max_fused_q_len < 1:
             raise ValueError(f"max_fused_q_len must be a positive int, got {max_fused_q_len!r}")
-        if key_norm_factors is not None and not isinstance(config, InnerQConfig):
-            raise ValueError("key_norm_factors only applies to InnerQ methods")
+        self._format = None if config is None else format_of(config)
+        if key_norm_factors is not None and (
+            self._format is None or "key_norm_factors" not in self._format.layer_options
+        ):
+            name = "fp16" if self._format is None else self._format.name
+            raise ValueError(f"key_norm_factors does not apply to the {name} format")
+        if config is not None and model_cache is None:
+            model_cache = ModelKVCache(config)
+        self.model_cache = model_cache
         self.config = config
         self.capacity = int(capacity)
         self.fused = fused
@@ -267,12 +260,13 @@ class KVKernelsLayer(CacheLayerMixin):
         cfg = self.config
         if cfg is None:
             self.cache = _FullPrecisionLayerCache(B, H, D, self.device, self.dtype)
-        elif isinstance(cfg, InnerQConfig):
-            self.cache = InnerQLayerCache(
-                cfg, B, H, D, self.capacity, self.device, self.dtype, self.key_norm_factors, self.rope_paired
-            )
         else:
-            self.cache = KIVILayerCache(cfg, B, H, D, self.capacity, self.device, self.dtype)
+            options = {"key_norm_factors": self.key_norm_factors, "rope_paired": self.rope_paired}
+            options = {k: v for k, v in options.items() if k in self._format.layer_options and v is not None}
+            idx = 0 if self.layer_idx is None else self.layer_idx
+            self.cache = self.model_cache.create_layer(
+                idx, B, H, D, self.device, self.dtype, capacity=self.capacity, **options
+            )
         self.is_initialized = True
 
     def _matches(self, k: torch.Tensor) -> bool:
@@ -447,6 +441,8 @@ class KVKernelsCache(Cache):
             "model_config": text,
         }
         self._key_norm_factors = key_norm_factors
+        # every layer's cache, one object, so a cross-layer format's layer can read its neighbour (kvkernels.cache)
+        self.model_cache = None if self.format is None else ModelKVCache(self.format, num_layers)
         if num_layers is not None:
             super().__init__(layers=[self._new_layer(i) for i in range(num_layers)])
         else:  # Cache.update appends layers on demand, calling this without arguments
@@ -457,7 +453,9 @@ class KVKernelsCache(Cache):
         factors = None
         if f is not None:
             factors = f.get(idx) if isinstance(f, Mapping) else f[idx]
-        return KVKernelsLayer(self.format, key_norm_factors=factors, layer_idx=idx, **self._layer_kwargs)
+        return KVKernelsLayer(
+            self.format, key_norm_factors=factors, layer_idx=idx, model_cache=self.model_cache, **self._layer_kwargs
+        )
 
     def __repr__(self):
         n = self.get_seq_length()
@@ -467,7 +465,7 @@ class KVKernelsCache(Cache):
         return -1
 
     def memory_bytes(self) -> dict[str, int]:
-        """Per-layer memory_bytes() summed over the initialized layers (kvkernels.cache for the keys)."""
+        """Per-layer memory_bytes() summed over the initialized layers (kvkernels.formats.base for the keys)."""
         total: dict[str, int] = {}
         for layer in self.layers:
             for key, val in layer.memory_bytes().items():
@@ -578,7 +576,8 @@ def generate_with_method(model, input_ids: torch.Tensor, method: str, **kw) -> G
     defaults to 32, do_sample to False). The model runs attn_implementation="kvkernels" for the call and is
     restored afterwards.
     """
-    cache_kw = {k: v for k, v in kw.items() if k in _CACHE_OPTIONS or k in _FORMAT_FIELDS}
+    format_fields = _format_fields()
+    cache_kw = {k: v for k, v in kw.items() if k in _CACHE_OPTIONS or k in format_fields}
     gen_kw = {k: v for k, v in kw.items() if k not in cache_kw}
     if method == "fp16":  # no format: quantization overrides are dropped so one kwargs set fits every method
         cache_kw = {k: v for k, v in cache_kw.items() if k in _CACHE_OPTIONS and k != "key_norm_factors"}
@@ -693,7 +692,7 @@ def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print
         mem = res.cache.memory_bytes()
         # windows are held in the model dtype (fp32 on CPU): count them at 2 bytes, as an fp16 deployment would
         fp16_bytes = mem["quantized"] + mem["window"] // (torch.finfo(dtype).bits // 8) * 2
-        op = "gemv_inner_q" if isinstance(PRESETS[method], InnerQConfig) else "gemv_kivi"
+        op = preset_format(method).gemv_op
         eb = effective_bits(PRESETS[method])
         rows.append(
             [
@@ -735,10 +734,10 @@ def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print
     return rows
 
 
-# every format field name of every preset, plus the aliases (routes kwargs in generate_with_method)
-_FORMAT_FIELDS = frozenset(
-    {f.name for cfg in (InnerQConfig, KIVIConfig) for f in dataclasses.fields(cfg)} | {"bits", "w_recent"}
-)
+def _format_fields() -> frozenset[str]:
+    # every override name of every registered format (routes kwargs in generate_with_method)
+    return frozenset().union(*(fmt.override_names() for fmt in all_formats()))
+
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

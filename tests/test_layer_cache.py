@@ -1,102 +1,28 @@
-"""Per-layer quantized caches: window bookkeeping, growth, exact windows, stores vs independent quantization,
-memory accounting, and the batch / crop edits."""
+"""The layer-cache machinery every format shares (kvkernels.formats.base), run over each format's configs: window
+bookkeeping, growth, exact windows, stores vs independent quantization, memory accounting, batch / crop edits.
+Format-specific behaviour is in test_format_<name>.py."""
 
 import pytest
 import torch
+from cache_helpers import expected_counts, kv, make_cache
 
 import kvkernels
-from kvkernels.cache import InnerQLayerCache, KIVILayerCache
-from kvkernels.formats import PRESETS, InnerQConfig, KIVIConfig, effective_bits
+from kvkernels.formats import (
+    PRESETS,
+    InnerQConfig,
+    InnerQLayerCache,
+    KIVIConfig,
+    KIVILayerCache,
+    effective_bits,
+    format_of,
+)
 
 SMALL_INNERQ = InnerQConfig(key_bits=3, value_bits=2, value_mode="hybrid", w_sink=4, w_recent=8)
 SMALL_KIVI = KIVIConfig(bits=2, residual=8, w_sink=4, eta=0.1)
 
 
-def make_cache(config, B=1, H=2, D=64, capacity=64, dtype=torch.float32, device="cpu", **kw):
-    cls = InnerQLayerCache if isinstance(config, InnerQConfig) else KIVILayerCache
-    return cls(config, B, H, D, capacity=capacity, device=device, dtype=dtype, **kw)
-
-
-def kv(B, H, N, D, seed=0, outliers=False):
-    g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
-    if outliers:
-        k[..., 3] *= 20
-        k[..., 3 + D // 2] *= 20
-    return k, v
-
-
-def expected_counts(config, total):
-    """Closed form of the window state of a cache that was only ever appended to (no crop)."""
-    G, w = config.group_size, config.w_recent
-    sink = min(total, config.w_sink)
-    rest = total - sink
-    k_step, v_step = (1, G) if isinstance(config, InnerQConfig) else (G, 1)
-    kq = max(0, (rest - w) // k_step * k_step)
-    vq = max(0, (rest - w) // v_step * v_step)
-    return {
-        "sink": sink,
-        "key_quantized": kq,
-        "key_tail": rest - kq,
-        "value_quantized": vq,
-        "value_tail": rest - vq,
-        "total": total,
-    }
-
-
 CONFIGS = {"innerq": PRESETS["innerq_base"], "kivi": PRESETS["kivi2"], "innerq_small_w": SMALL_INNERQ}
 CONFIGS["kivi_sink_small_w"] = SMALL_KIVI
-
-
-# ---------------------------------------------------------------------------------------------------------
-# configs
-
-
-@pytest.mark.parametrize(
-    "make, match",
-    [
-        (lambda: InnerQConfig(key_bits=5), "key_bits"),
-        (lambda: InnerQConfig(value_bits=0), "value_bits"),
-        (lambda: InnerQConfig(key_mode="nf4"), "key_mode"),
-        (lambda: InnerQConfig(value_mode="symm"), "value_mode"),
-        (lambda: InnerQConfig(group_size=48), "group_size"),
-        (lambda: InnerQConfig(group_size=0), "group_size"),
-        (lambda: InnerQConfig(w_sink=-1), "w_sink"),
-        (lambda: InnerQConfig(w_recent=-3), "w_recent"),
-        (lambda: InnerQConfig(eta=0.25), "eta=0.25 applies to asym tensors"),  # both tensors sym
-        (lambda: InnerQConfig(key_mode="asym", eta=0.5), "eta"),
-        (lambda: KIVIConfig(bits=8), "bits"),
-        (lambda: KIVIConfig(eta=0.5), "eta"),
-        (lambda: KIVIConfig(eta=-0.1), "eta"),
-        (lambda: KIVIConfig(residual=-1), "residual"),
-        (lambda: KIVIConfig(group_size=16), "group_size"),
-    ],
-)
-def test_config_validation(make, match):
-    with pytest.raises(ValueError, match=match):
-        make()
-
-
-def test_effective_bits_of_presets():
-    want = {
-        "innerq_base": (3.5, 3.5, 3.5),
-        "innerq_small": (3.5, 2.5, 3.0),
-        "innerq_hybrid": (3.5, 3.0, 3.25),
-        "innerq_asym4": (5.0, 5.0, 5.0),
-        "innerq_asym1_eta": (2.0, 2.0, 2.0),
-        "kivi2": (3.0, 3.0, 3.0),
-        "kivi4": (5.0, 5.0, 5.0),
-        "kivi1_eta": (2.0, 2.0, 2.0),
-    }
-    assert set(want) == set(PRESETS)
-    for name, (k, v, avg) in want.items():
-        e = effective_bits(PRESETS[name])
-        assert (e.key, e.value, e.average) == (k, v, avg), name
-    e = effective_bits(PRESETS["innerq_base"])
-    assert (e.fp16_key_tokens, e.fp16_value_tokens) == (128, 159)
-    assert e.with_windows(128) == 16.0
-    assert 3.5 < e.with_windows(4096) < 4.0
-    assert effective_bits(InnerQConfig(group_size=64, key_mode="asym")).key == 3.5
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -122,10 +48,9 @@ def test_window_bookkeeping_over_appends(name, N):
     # bounds from the module docstring
     G = config.group_size
     counts = c.token_counts()
-    if isinstance(config, InnerQConfig):
-        assert counts["key_tail"] == config.w_recent and config.w_recent <= counts["value_tail"] < config.w_recent + G
-    else:
-        assert counts["value_tail"] == config.residual and config.residual <= counts["key_tail"] < config.residual + G
+    one, whole = ("key", "value") if format_of(config).key_layout == "rows" else ("value", "key")
+    w = config.w_recent
+    assert counts[f"{one}_tail"] == w and w <= counts[f"{whole}_tail"] < w + G
     K, V = c.dequantized()
     assert K.shape == V.shape == (1, 1, pos, D)
 
@@ -226,17 +151,17 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
     cnt = c.token_counts()
     s = cnt["sink"]
     G = config.group_size
-    innerq = isinstance(config, InnerQConfig)
+    fmt = format_of(config)
     for name, x, X, layout, bits, mode in (
-        ("key", k, K, "rows" if innerq else "cols", config.key_bits, config.key_mode),
-        ("value", v, V, "cols" if innerq else "rows", config.value_bits, config.value_mode),
+        ("key", k, K, fmt.key_layout, config.key_bits, config.key_mode),
+        ("value", v, V, fmt.value_layout, config.value_bits, config.value_mode),
     ):
         m = cnt[f"{name}_quantized"]
         assert torch.equal(X[:, :, :s], x[:, :, :s].float()), name  # sink: exact
         assert torch.equal(X[:, :, s + m :], x[:, :, s + m :].float()), name  # tail: exact
         # store: exactly an independent quantization of the same tokens (keys divided by the norm) ...
         xq = x[:, :, s : s + m].float()
-        norm = c.key_norm[None, :, None, :] if (innerq and name == "key") else torch.ones(())
+        norm = c.key_norm[None, :, None, :] if (c.key_norm is not None and name == "key") else torch.ones(())
         src = (xq / norm) if layout == "rows" else (xq / norm).transpose(2, 3)
         eta = config.eta_for(mode)
         codes, scales, zeros = kvkernels.quantize_groups(src, bits, G, mode, eta)
@@ -246,43 +171,6 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
         # ... so within the quantizer's error bound
         err = (X[:, :, s : s + m] - xq).abs()
         assert bool((err <= _group_bound(xq / norm, layout, bits, mode, eta, G) * norm).all()), name
-
-
-def test_key_norm_fixed_at_prefill_and_reset():
-    k, v = kv(2, 2, 150, 64, outliers=True)
-    c = make_cache(PRESETS["innerq_base"], B=2)
-    assert c.key_norm is None
-    c.prefill(k[:, :, :140], v[:, :, :140])
-    norm = kvkernels.keynorm.compute_key_norm(k[:, :, :140], rope_paired=True)
-    assert torch.equal(c.key_norm, norm) and c.key_norm.shape == (2, 64) and c.key_norm.dtype == torch.float32
-    c.append(k[:, :, 140:] * 100, v[:, :, 140:])
-    assert torch.equal(c.key_norm, norm)  # fixed after prefill
-    c.reset()
-    assert c.key_norm is None and c.seq_len == 0
-    fixed = torch.rand(2, 64) + 0.5
-    c = make_cache(PRESETS["innerq_base"], B=2, key_norm_factors=fixed)
-    c.prefill(k, v)
-    assert torch.equal(c.key_norm, fixed)
-    c.reset()
-    assert torch.equal(c.key_norm, fixed)
-    c = make_cache(InnerQConfig(key_norm=False), B=2)
-    c.prefill(k, v)
-    assert c.key_norm is None
-    with pytest.raises(ValueError, match="key_norm"):
-        make_cache(InnerQConfig(key_norm=False), key_norm_factors=fixed)
-    with pytest.raises(ValueError, match="H_kv, D"):
-        make_cache(PRESETS["innerq_base"], key_norm_factors=torch.ones(2, 32))
-
-
-def test_zero_key_channel_gets_a_finite_norm():
-    k, v = kv(1, 2, 200, 64)
-    k[..., 5] = 0
-    k[..., 5 + 32] = 0
-    c = make_cache(PRESETS["innerq_base"])
-    c.prefill(k, v)
-    assert torch.isfinite(c.key_norm).all() and bool((c.key_norm > 0).all())
-    K, _ = c.dequantized()
-    assert torch.equal(K[..., 5], torch.zeros_like(K[..., 5]))
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -407,7 +295,7 @@ def test_crop_speculative_chunk(name):
     for x, y, qc, qr in ((Kc, Kr, c.key_store, ref.key_store), (Vc, Vr, c.value_store, ref.value_store)):
         lo, hi = s + qr.n, s + qc.n  # quantized in c, still fp16 in ref
         assert torch.equal(x[:, :, :lo], y[:, :, :lo]) and torch.equal(x[:, :, hi:], y[:, :, hi:])
-    per_token = "key" if isinstance(config, InnerQConfig) else "value"  # the tensor leaving one token per step
+    per_token = "key" if format_of(config).key_layout == "rows" else "value"  # the tensor leaving one token per step
     assert c.token_counts()[f"{per_token}_quantized"] - ref.token_counts()[f"{per_token}_quantized"] == 3
     c.append(k[:, :, 5:], v[:, :, 5:])
     ref.append(k[:, :, 5:], v[:, :, 5:])

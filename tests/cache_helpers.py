@@ -1,0 +1,39 @@
+"""Helpers shared by the layer-cache tests (test_layer_cache.py, test_format_<name>.py)."""
+
+import torch
+
+from kvkernels.formats import format_of, make_layer_cache
+
+
+def make_cache(config, B=1, H=2, D=64, capacity=64, dtype=torch.float32, device="cpu", **kw):
+    return make_layer_cache(config, B, H, D, capacity=capacity, device=device, dtype=dtype, **kw)
+
+
+def kv(B, H, N, D, seed=0, outliers=False):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    if outliers:
+        k[..., 3] *= 20
+        k[..., 3 + D // 2] *= 20
+    return k, v
+
+
+def expected_counts(config, total):
+    """Closed form of the window state of a cache that was only ever appended to (no crop).
+
+    A "rows" store takes tokens one at a time, a "cols" store in whole groups of G (kvkernels.formats.base)."""
+    G, w = config.group_size, config.w_recent
+    fmt = format_of(config)
+    k_step, v_step = (1 if layout == "rows" else G for layout in (fmt.key_layout, fmt.value_layout))
+    sink = min(total, config.w_sink)
+    rest = total - sink
+    kq = max(0, (rest - w) // k_step * k_step)
+    vq = max(0, (rest - w) // v_step * v_step)
+    return {
+        "sink": sink,
+        "key_quantized": kq,
+        "key_tail": rest - kq,
+        "value_quantized": vq,
+        "value_tail": rest - vq,
+        "total": total,
+    }
