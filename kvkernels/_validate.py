@@ -157,6 +157,7 @@ def check_dequantize(codes, scales, zeros, bits, group_size, mode) -> None:
     L = codes.shape[-1] // bits * BLOCK
     check_group_size(op, group_size, L, "L")
     _check_group_params(op, scales, zeros, tuple(codes.shape[:-1]) + (L // group_size,), mode != "sym")
+    check_same_device(op, codes=codes, scales=scales, zeros=zeros)
 
 
 def check_pack(codes, bits) -> None:

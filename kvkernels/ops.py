@@ -79,38 +79,50 @@ def _register() -> None:
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("kvkernels::pack_bits")
+    # The fakes (meta kernels, used by torch.compile, opcheck and meta tensors) run the same metadata checks as every
+    # real kernel, so a bad call fails at trace time with the same message instead of returning plausible shapes.
+    def fake(op: str):
+        def register(fn):
+            check = _CHECKS[op]
+
+            def checked(*args, **kwargs):
+                check(*args, **kwargs)
+                return fn(*args, **kwargs)
+
+            torch.library.register_fake(f"kvkernels::{op}")(checked)
+            return fn
+
+        return register
+
+    @fake("pack_bits")
     def _(codes, bits):
         return codes.new_empty((*codes.shape[:-1], codes.shape[-1] // 32 * bits), dtype=torch.int32)
 
-    @torch.library.register_fake("kvkernels::unpack_bits")
+    @fake("unpack_bits")
     def _(packed, bits):
         return packed.new_empty((*packed.shape[:-1], packed.shape[-1] // bits * 32), dtype=torch.uint8)
 
-    @torch.library.register_fake("kvkernels::quantize_groups")
+    @fake("quantize_groups")
     def _(x, bits, group_size, mode, eta=0.0):
-        torch._check(x.shape[-1] % group_size == 0, lambda: "x.shape[-1] must be a multiple of group_size")
         lead, L = x.shape[:-1], x.shape[-1]
         codes = x.new_empty((*lead, L // 32 * bits), dtype=torch.int32)
         scales = x.new_empty((*lead, L // group_size), dtype=torch.float16)
         return codes, scales, torch.empty_like(scales)
 
-    @torch.library.register_fake("kvkernels::quantize_groups_into")
+    @fake("quantize_groups_into")
     def _(x, bits, group_size, mode, eta, codes, scales, zeros):
         return None
 
-    @torch.library.register_fake("kvkernels::dequantize_groups")
+    @fake("dequantize_groups")
     def _(codes, scales, zeros, bits, group_size, mode):
         return codes.new_empty((*codes.shape[:-1], codes.shape[-1] // bits * 32), dtype=torch.float32)
 
-    @torch.library.register_fake("kvkernels::gemv_inner_q")
+    @fake("gemv_inner_q")
     def _(x, codes, scales, zeros, bits, group_size, mode, x_scale=None):
-        torch._check(codes.shape[-1] * 32 == x.shape[-1] * bits, lambda: "codes words do not match x length")
         return x.new_empty((*x.shape[:-1], codes.shape[2]), dtype=torch.float32)
 
-    @torch.library.register_fake("kvkernels::gemv_kivi")
+    @fake("gemv_kivi")
     def _(x, codes, scales, zeros, bits, group_size):
-        torch._check(codes.shape[2] == x.shape[-1], lambda: "codes rows must equal x.shape[-1]")
         return x.new_empty((*x.shape[:-1], codes.shape[-1] // bits * 32), dtype=torch.float32)
 
 

@@ -86,8 +86,9 @@ def test_bad_input_is_rejected(call, exc, match):
 
 
 def test_torch_ops_entry_point_validates_too():
-    # users call torch.ops.kvkernels.* directly: the C++ CPU kernel checks bits and shapes as well
-    with pytest.raises(RuntimeError, match="bits must be 1..4"):
+    # users call torch.ops.kvkernels.* directly: the C++ CPU kernel runs the wrappers' checks (csrc/op_checks.h),
+    # with the same exception types and messages
+    with pytest.raises(ValueError, match=r"bits must be one of \(1, 2, 3, 4\)"):
         torch.ops.kvkernels.pack_bits(torch.zeros(32, dtype=torch.int64), 7)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
+    with pytest.raises(ValueError, match="multiple of 32"):
         torch.ops.kvkernels.pack_bits(torch.zeros(33, dtype=torch.int64), 2)

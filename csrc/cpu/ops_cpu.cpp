@@ -10,22 +10,22 @@
 
 #include "kvkernels/packing.cuh"
 #include "kvkernels/quant.cuh"
+#include "op_checks.h"
 
 namespace kvk_cpu {
 
-kvk::QuantMode parse_mode(const std::string& mode) {
-  if (mode == "sym") return kvk::QuantMode::kSym;
-  if (mode == "asym") return kvk::QuantMode::kAsym;
-  if (mode == "hybrid") return kvk::QuantMode::kHybrid;
-  TORCH_CHECK(false, "kvkernels: mode must be 'sym', 'asym' or 'hybrid', got '", mode, "'");
+using namespace kvk_checks;
+
+// The dispatcher sends a call here when its highest-priority tensor is on the CPU; the others may still be on
+// another device (a CUDA or meta output, say), which these kernels must not touch.
+void check_cpu(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "kvkernels.", op, ": all tensors must be on one device (cpu), ", name,
+                    " is on ", t.device());
 }
 
-void check_bits(int64_t bits) { TORCH_CHECK(kvk::is_supported_bits(bits), "kvkernels: bits must be 1..4, got ", bits); }
-
 at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
-  check_bits(bits);
-  TORCH_CHECK(codes.dim() >= 1 && codes.size(-1) % kvk::kBlockValues == 0,
-              "kvkernels.pack_bits: last dim must be a multiple of 32, got shape ", codes.sizes());
+  check_pack(codes, bits);
+  check_cpu("pack_bits", "codes", codes);
   const at::Tensor flat = codes.to(at::kLong).contiguous();
   const int64_t n = flat.numel(), nblocks = n / kvk::kBlockValues;
   auto sizes = codes.sizes().vec();
@@ -44,10 +44,8 @@ at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
 }
 
 at::Tensor unpack_bits(const at::Tensor& packed, int64_t bits) {
-  check_bits(bits);
-  TORCH_CHECK(packed.scalar_type() == at::kInt, "kvkernels.unpack_bits: packed must be int32");
-  TORCH_CHECK(packed.dim() >= 1 && packed.size(-1) % bits == 0,
-              "kvkernels.unpack_bits: last dim must be a multiple of bits=", bits, ", got shape ", packed.sizes());
+  check_unpack(packed, bits);
+  check_cpu("unpack_bits", "packed", packed);
   const at::Tensor flat = packed.contiguous();
   const int64_t nblocks = flat.numel() / bits;
   auto sizes = packed.sizes().vec();
@@ -64,14 +62,11 @@ at::Tensor unpack_bits(const at::Tensor& packed, int64_t bits) {
 }
 
 // Quantizes every group of x (last dim) into contiguous temporaries; the _into variant copies them out.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor& x, int64_t bits, int64_t group_size,
-                                                               const std::string& mode, double eta) {
-  check_bits(bits);
-  const kvk::QuantMode qmode = parse_mode(mode);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_unchecked(const at::Tensor& x, int64_t bits,
+                                                                  int64_t group_size, const std::string& mode,
+                                                                  double eta) {
+  const kvk::QuantMode qmode = parse_mode("quantize_groups", mode);
   const int64_t L = x.size(-1);
-  TORCH_CHECK(group_size > 0 && group_size % kvk::kBlockValues == 0 && L % group_size == 0,
-              "kvkernels.quantize_groups: group_size must be a positive multiple of 32 dividing L=", L, ", got ",
-              group_size);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t ngroups = xf.numel() / group_size;
   auto code_sizes = x.sizes().vec();
@@ -110,9 +105,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor&
   return {codes, scales, zeros};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor& x, int64_t bits, int64_t group_size,
+                                                               const std::string& mode, double eta) {
+  check_quantize("quantize_groups", x, bits, group_size, mode, eta);
+  check_cpu("quantize_groups", "x", x);
+  return quantize_unchecked(x, bits, group_size, mode, eta);
+}
+
 void quantize_groups_into(const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode, double eta,
                           at::Tensor codes, at::Tensor scales, at::Tensor zeros) {
-  auto [c, s, z] = quantize_groups(x, bits, group_size, mode, eta);
+  const char* op = "quantize_groups_into";
+  check_quantize(op, x, bits, group_size, mode, eta);
+  check_quantize_outputs(op, x, bits, group_size, codes, scales, zeros);
+  check_cpu(op, "x", x);
+  check_cpu(op, "codes", codes);
+  check_cpu(op, "scales", scales);
+  check_cpu(op, "zeros", zeros);
+  auto [c, s, z] = quantize_unchecked(x, bits, group_size, mode, eta);
   codes.copy_(c);
   scales.copy_(s);
   zeros.copy_(z);
@@ -120,14 +129,15 @@ void quantize_groups_into(const at::Tensor& x, int64_t bits, int64_t group_size,
 
 at::Tensor dequantize_groups(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                              int64_t bits, int64_t group_size, const std::string& mode) {
-  check_bits(bits);
-  const kvk::QuantMode qmode = parse_mode(mode);
-  TORCH_CHECK(qmode == kvk::QuantMode::kSym || zeros.has_value(), "kvkernels.dequantize_groups: mode '", mode,
-              "' needs zeros");
+  const char* op = "dequantize_groups";
+  const int64_t L = check_dequantize(codes, scales, zeros, bits, group_size, mode);
+  check_cpu(op, "codes", codes);
+  check_cpu(op, "scales", scales);
+  if (zeros.has_value()) check_cpu(op, "zeros", *zeros);
+  const kvk::QuantMode qmode = parse_mode(op, mode);
   const at::Tensor c = codes.contiguous();
-  const at::Tensor s = scales.to(at::kHalf).contiguous();
-  const at::Tensor z = zeros.has_value() ? zeros->to(at::kHalf).contiguous() : at::zeros_like(s);
-  const int64_t L = codes.size(-1) / bits * kvk::kBlockValues;
+  const at::Tensor s = scales.contiguous();
+  const at::Tensor z = zeros.has_value() ? zeros->contiguous() : at::zeros_like(s);
   auto sizes = codes.sizes().vec();
   sizes.back() = L;
   at::Tensor out = at::empty(sizes, codes.options().dtype(at::kFloat));

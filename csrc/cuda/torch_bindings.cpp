@@ -14,44 +14,17 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "op_checks.h"
 
 namespace kvk_cuda {
 namespace {
 
-constexpr int64_t kBlock = 32;
-
-kvk::QuantMode parse_mode(const char* op, const std::string& mode) {
-  if (mode == "sym") return kvk::QuantMode::kSym;
-  if (mode == "asym") return kvk::QuantMode::kAsym;
-  if (mode == "hybrid") return kvk::QuantMode::kHybrid;
-  TORCH_CHECK_VALUE(false, "kvkernels.", op, ": mode must be one of ('sym', 'asym', 'hybrid'), got '", mode, "'");
-}
-
-void check_bits(const char* op, int64_t bits) {
-  TORCH_CHECK_VALUE(bits >= 1 && bits <= 4, "kvkernels.", op, ": bits must be one of (1, 2, 3, 4), got ", bits);
-}
-
-void check_group_size(const char* op, int64_t group_size, int64_t length, const char* what) {
-  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0, "kvkernels.", op,
-                    ": group_size must be a positive multiple of 32, got ", group_size);
-  TORCH_CHECK_VALUE(length % group_size == 0, "kvkernels.", op, ": ", what, "=", length,
-                    " must be a multiple of group_size=", group_size);
-}
+using namespace kvk_checks;  // parse_mode, check_bits, check_group_size, check_shape, ... (csrc/op_checks.h)
 
 void check_cuda(const char* op, const char* name, const at::Tensor& t, const at::Device& device) {
   TORCH_CHECK_VALUE(t.is_cuda(), "kvkernels.", op, ": ", name, " must be a CUDA tensor, got ", t.device());
   TORCH_CHECK_VALUE(t.device() == device, "kvkernels.", op, ": all tensors must be on one device, ", name, " is on ",
                     t.device(), ", expected ", device);
-}
-
-void check_last_dim_contiguous(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "kvkernels.", op, ": ", name,
-                    " must have stride 1 in its last dim (row strides may be anything), got ", t.strides());
-}
-
-void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
-  TORCH_CHECK_VALUE(t.sizes() == expected, "kvkernels.", op, ": ", name, " must have shape ", expected, ", got ",
-                    t.sizes());
 }
 
 kvk::XDtype activation_dtype(const char* op, const char* name, const at::Tensor& t) {
@@ -105,12 +78,7 @@ bool row_layout(const at::Tensor& t, kvk::RowLayout& rl) {
 
 at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
   const char* op = "pack_bits";
-  check_bits(op, bits);
-  TORCH_CHECK_TYPE(!at::isFloatingType(codes.scalar_type()) && !at::isComplexType(codes.scalar_type()) &&
-                       codes.scalar_type() != at::kBool,
-                   "kvkernels.pack_bits: codes must be an integer tensor, got ", codes.scalar_type());
-  TORCH_CHECK_VALUE(codes.dim() >= 1 && codes.size(-1) % kBlock == 0,
-                    "kvkernels.pack_bits: codes last dim must be a multiple of 32, got shape ", codes.sizes());
+  check_pack(codes, bits);
   check_cuda(op, "codes", codes, codes.device());
   const c10::cuda::CUDAGuard device_guard(codes.device());
   // int32 keeps the low 32 bits, like the CPU op's int64 -> uint32; pack_block masks to `bits` anyway
@@ -129,11 +97,7 @@ at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
 
 at::Tensor unpack_bits(const at::Tensor& packed, int64_t bits) {
   const char* op = "unpack_bits";
-  check_bits(op, bits);
-  TORCH_CHECK_TYPE(packed.scalar_type() == at::kInt, "kvkernels.unpack_bits: packed must be int32, got ",
-                   packed.scalar_type());
-  TORCH_CHECK_VALUE(packed.dim() >= 1 && packed.size(-1) % bits == 0, "kvkernels.unpack_bits: packed last dim must ",
-                    "be a multiple of bits=", bits, ", got shape ", packed.sizes());
+  check_unpack(packed, bits);
   check_cuda(op, "packed", packed, packed.device());
   const c10::cuda::CUDAGuard device_guard(packed.device());
   const at::Tensor src = packed.contiguous();
@@ -149,16 +113,9 @@ at::Tensor unpack_bits(const at::Tensor& packed, int64_t bits) {
   return out;
 }
 
-void check_quantize(const char* op, const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode,
-                    double eta) {
-  check_bits(op, bits);
-  parse_mode(op, mode);
-  activation_dtype(op, "x", x);
-  TORCH_CHECK_VALUE(x.dim() >= 1, "kvkernels.", op, ": x must have at least one dim");
-  check_group_size(op, group_size, x.size(-1), "x.shape[-1]");
-  TORCH_CHECK_VALUE(eta >= 0.0 && eta < 0.5, "kvkernels.", op, ": eta must be in [0, 0.5), got ", eta);
-  TORCH_CHECK_VALUE(eta == 0.0 || mode == "asym", "kvkernels.", op,
-                    ": eta applies to asym mode only, got mode='", mode, "' with eta=", eta);
+void check_quantize_cuda(const char* op, const at::Tensor& x, int64_t bits, int64_t group_size,
+                         const std::string& mode, double eta) {
+  check_quantize(op, x, bits, group_size, mode, eta);
   check_cuda(op, "x", x, x.device());
 }
 
@@ -205,7 +162,7 @@ void quantize_into_checked(const char* op, const at::Tensor& x_in, int64_t bits,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor& x, int64_t bits, int64_t group_size,
                                                                const std::string& mode, double eta) {
   const char* op = "quantize_groups";
-  check_quantize(op, x, bits, group_size, mode, eta);
+  check_quantize_cuda(op, x, bits, group_size, mode, eta);
   const int64_t L = x.size(-1);
   auto code_sizes = x.sizes().vec();
   code_sizes.back() = L / kBlock * bits;
@@ -221,25 +178,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor&
 void quantize_groups_into(const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode, double eta,
                           at::Tensor codes, at::Tensor scales, at::Tensor zeros) {
   const char* op = "quantize_groups_into";
-  check_quantize(op, x, bits, group_size, mode, eta);
-  const int64_t L = x.size(-1);
-  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 1);
-  auto code_shape = lead;
-  code_shape.push_back(L / kBlock * bits);
-  auto group_shape = lead;
-  group_shape.push_back(L / group_size);
-  TORCH_CHECK_TYPE(codes.scalar_type() == at::kInt, "kvkernels.", op, ": codes must be int32, got ",
-                   codes.scalar_type());
-  check_shape(op, "codes", codes, code_shape);
-  check_last_dim_contiguous(op, "codes", codes);
-  TORCH_CHECK_TYPE(scales.scalar_type() == at::kHalf, "kvkernels.", op, ": scales must be float16, got ",
-                   scales.scalar_type());
-  check_shape(op, "scales", scales, group_shape);
-  check_last_dim_contiguous(op, "scales", scales);
-  TORCH_CHECK_TYPE(zeros.scalar_type() == at::kHalf, "kvkernels.", op, ": zeros must be float16, got ",
-                   zeros.scalar_type());
-  check_shape(op, "zeros", zeros, group_shape);
-  check_last_dim_contiguous(op, "zeros", zeros);
+  check_quantize_cuda(op, x, bits, group_size, mode, eta);
+  check_quantize_outputs(op, x, bits, group_size, codes, scales, zeros);
   check_cuda(op, "codes", codes, x.device());
   check_cuda(op, "scales", scales, x.device());
   check_cuda(op, "zeros", zeros, x.device());
@@ -250,29 +190,11 @@ at::Tensor dequantize_groups(const at::Tensor& codes_in, const at::Tensor& scale
                              const std::optional<at::Tensor>& zeros_in, int64_t bits, int64_t group_size,
                              const std::string& mode) {
   const char* op = "dequantize_groups";
-  check_bits(op, bits);
+  const int64_t L = check_dequantize(codes_in, scales_in, zeros_in, bits, group_size, mode);
   const kvk::QuantMode qmode = parse_mode(op, mode);
-  TORCH_CHECK_TYPE(codes_in.scalar_type() == at::kInt, "kvkernels.", op, ": codes must be int32, got ",
-                   codes_in.scalar_type());
-  TORCH_CHECK_VALUE(codes_in.dim() >= 1 && codes_in.size(-1) % bits == 0, "kvkernels.", op,
-                    ": codes last dim must be a multiple of bits=", bits, ", got shape ", codes_in.sizes());
-  const int64_t L = codes_in.size(-1) / bits * kBlock;
-  check_group_size(op, group_size, L, "L");
-  auto group_shape = codes_in.sizes().vec();
-  group_shape.back() = L / group_size;
-  TORCH_CHECK_TYPE(scales_in.scalar_type() == at::kHalf, "kvkernels.", op, ": scales must be float16, got ",
-                   scales_in.scalar_type());
-  check_shape(op, "scales", scales_in, group_shape);
-  TORCH_CHECK_VALUE(qmode == kvk::QuantMode::kSym || zeros_in.has_value(), "kvkernels.", op,
-                    ": zeros is required for asym and hybrid modes");
   check_cuda(op, "codes", codes_in, codes_in.device());
   check_cuda(op, "scales", scales_in, codes_in.device());
-  if (zeros_in.has_value()) {
-    TORCH_CHECK_TYPE(zeros_in->scalar_type() == at::kHalf, "kvkernels.", op, ": zeros must be float16, got ",
-                     zeros_in->scalar_type());
-    check_shape(op, "zeros", *zeros_in, group_shape);
-    check_cuda(op, "zeros", *zeros_in, codes_in.device());
-  }
+  if (zeros_in.has_value()) check_cuda(op, "zeros", *zeros_in, codes_in.device());
   const c10::cuda::CUDAGuard device_guard(codes_in.device());
   // Row strides are passed through; a non-unit last stride or > kMaxRowDims leading dims costs a copy.
   const auto prepare = [](const at::Tensor& t, kvk::RowLayout& rl) {
