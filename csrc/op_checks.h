@@ -10,6 +10,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvkernels/quant.cuh"
@@ -46,15 +47,18 @@ inline void check_shape(const char* op, const char* name, const at::Tensor& t, a
                     t.sizes());
 }
 
+// the dtype as Python spells it ("int32", "float16"), so messages read as kvkernels/_validate.py's do
+inline std::string_view dtype_name(at::ScalarType s) { return c10::getDtypeNames(s).first; }
+
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
-  TORCH_CHECK_TYPE(t.scalar_type() == want, "kvkernels.", op, ": ", name, " must be ", want, ", got ",
-                   t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == want, "kvkernels.", op, ": ", name, " must be ", dtype_name(want), ", got ",
+                   dtype_name(t.scalar_type()));
 }
 
 inline void check_activation(const char* op, const char* name, const at::Tensor& t) {
   const auto s = t.scalar_type();
   TORCH_CHECK_TYPE(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat, "kvkernels.", op, ": ", name,
-                   " must be float16 or bfloat16 or float32, got ", s);
+                   " must be float16 or bfloat16 or float32, got ", dtype_name(s));
 }
 
 // ---- per-op checks (everything but devices) --------------------------------------------------------------------
@@ -64,7 +68,7 @@ inline void check_pack(const at::Tensor& codes, int64_t bits) {
   check_bits(op, bits);
   TORCH_CHECK_TYPE(!at::isFloatingType(codes.scalar_type()) && !at::isComplexType(codes.scalar_type()) &&
                        codes.scalar_type() != at::kBool,
-                   "kvkernels.pack_bits: codes must be an integer tensor, got ", codes.scalar_type());
+                   "kvkernels.pack_bits: codes must be an integer tensor, got ", dtype_name(codes.scalar_type()));
   TORCH_CHECK_VALUE(codes.dim() >= 1 && codes.size(-1) % kBlock == 0,
                     "kvkernels.pack_bits: codes last dim must be a multiple of 32, got shape ", codes.sizes());
 }

@@ -18,7 +18,8 @@ with h_kv = h // (H_q / H_kv) (GQA). Each method stores K and V differently:
                    [B, H_kv, N, D*b/32] (groups along D), asym; kvkernels.gemv_kivi
 
 The methods come from the format registry (kvkernels.formats): each format's bench_presets run fused, its
-dequant_baselines unfused, in that format's layouts; a registered format joins the sweep without a change here.
+dequant_baselines unfused, in that format's layouts (read when this module is imported, so every format
+registered by then joins the sweep without a change here).
 Group size 32 throughout. Codes are random 32-bit words (every bit pattern is a valid code) and scales random
 positive fp16, so the timed kernels see realistic, non-zero data without paying for quantization.
 

@@ -83,13 +83,7 @@ def _register_fakes() -> None:
     # real kernel, so a bad call fails at trace time with the same message instead of returning plausible shapes.
     def fake(op: str):
         def register(fn):
-            check = _CHECKS[op]
-
-            def checked(*args, **kwargs):
-                check(*args, **kwargs)
-                return fn(*args, **kwargs)
-
-            torch.library.register_fake(f"kvkernels::{op}")(checked)
+            torch.library.register_fake(f"kvkernels::{op}")(_checked(op, fn))
             return fn
 
         return register

@@ -33,8 +33,8 @@ kvk::XDtype activation_dtype(const char* op, const char* name, const at::Tensor&
     case at::kBFloat16: return kvk::XDtype::kBF16;
     case at::kFloat: return kvk::XDtype::kF32;
     default:
-      TORCH_CHECK_TYPE(false, "kvkernels.", op, ": ", name, " must be float16 or bfloat16 or float32, got ",
-                       t.scalar_type());
+      check_activation(op, name, t);  // throws, with the shared message; the return below is unreachable
+      return kvk::XDtype::kF32;
   }
 }
 
@@ -236,8 +236,7 @@ void check_x_and_codes(const char* op, const at::Tensor& x, const at::Tensor& co
   check_last_dim_contiguous(op, "x", x);
   TORCH_CHECK_VALUE(codes.dim() == 4, "kvkernels.", op, ": codes must be 4-D [B, H_kv, rows, words], got shape ",
                     codes.sizes());
-  TORCH_CHECK_TYPE(codes.scalar_type() == at::kInt, "kvkernels.", op, ": codes must be int32, got ",
-                   codes.scalar_type());
+  check_dtype(op, "codes", codes, at::kInt);
   check_last_dim_contiguous(op, "codes", codes);
   TORCH_CHECK_VALUE(codes.size(0) == x.size(0), "kvkernels.", op, ": codes batch ", codes.size(0), " != x batch ",
                     x.size(0));
@@ -249,8 +248,7 @@ void check_x_and_codes(const char* op, const at::Tensor& x, const at::Tensor& co
 
 void check_group_params(const char* op, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
                         at::IntArrayRef expected, bool needs_zeros, const at::Device& device) {
-  TORCH_CHECK_TYPE(scales.scalar_type() == at::kHalf, "kvkernels.", op, ": scales must be float16, got ",
-                   scales.scalar_type());
+  check_dtype(op, "scales", scales, at::kHalf);
   check_shape(op, "scales", scales, expected);
   check_last_dim_contiguous(op, "scales", scales);
   check_cuda(op, "scales", scales, device);
@@ -258,8 +256,7 @@ void check_group_params(const char* op, const at::Tensor& scales, const std::opt
     TORCH_CHECK_VALUE(!needs_zeros, "kvkernels.", op, ": zeros is required for asym and hybrid modes");
     return;
   }
-  TORCH_CHECK_TYPE(zeros->scalar_type() == at::kHalf, "kvkernels.", op, ": zeros must be float16, got ",
-                   zeros->scalar_type());
+  check_dtype(op, "zeros", *zeros, at::kHalf);
   check_shape(op, "zeros", *zeros, expected);
   check_last_dim_contiguous(op, "zeros", *zeros);
   check_cuda(op, "zeros", *zeros, device);
@@ -287,8 +284,7 @@ at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::
                     L / kBlock * bits, " words per row for L=", L, ", got ", codes.size(3));
   check_group_params(op, scales, zeros, {B, H_kv, M, L / group_size}, qmode != kvk::QuantMode::kSym, x.device());
   if (x_scale.has_value()) {
-    TORCH_CHECK_TYPE(x_scale->scalar_type() == at::kFloat, "kvkernels.", op, ": x_scale must be float32, got ",
-                     x_scale->scalar_type());
+    check_dtype(op, "x_scale", *x_scale, at::kFloat);
     check_shape(op, "x_scale", *x_scale, {H_kv, L});
     check_last_dim_contiguous(op, "x_scale", *x_scale);
     check_cuda(op, "x_scale", *x_scale, x.device());

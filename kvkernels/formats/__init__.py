@@ -81,9 +81,10 @@ def preset_format(name: str) -> Format:
     return _PRESET_FORMAT[name]
 
 
-def make_layer_cache(config, batch, num_kv_heads, head_dim, capacity=1024, device="cpu", dtype=None, **options):
+def make_layer_cache(
+    config, batch, num_kv_heads, head_dim, capacity=1024, device="cpu", dtype=torch.float16, **options
+):
     """One layer's cache for config (any registered format); options: the format's layer_options and context."""
-    dtype = torch.float16 if dtype is None else dtype
     return format_of(config).make_layer_cache(config, batch, num_kv_heads, head_dim, capacity, device, dtype, **options)
 
 
