@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -37,6 +38,31 @@ inline void check_group_size(const char* op, int64_t group_size, int64_t length,
                     " must be a multiple of group_size=", group_size);
 }
 
+// The dispatcher passes None in a (non-optional) Tensor argument as an undefined tensor; every other check would
+// fail on it with an unrelated message (or worse), so the ops check these first, as kvkernels/ops.py does.
+inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.defined(), "kvkernels.", op, ": ", name, " must be a tensor, got None");
+}
+
+// Outputs written in place must not alias themselves (an expand()ed buffer, or rows closer than a row's length):
+// the kernels would race on the shared words. Sufficient condition checked: sorted by stride, every dim of size > 1
+// steps past the whole span of the smaller-stride dims.
+inline void check_no_self_overlap(const char* op, const char* name, const at::Tensor& t) {
+  if (t.numel() == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // elements covered by the dims before, minus one
+  bool ok = true;
+  for (const auto& [stride, size] : dims) {
+    ok = ok && stride > span;
+    span += stride * (size - 1);
+  }
+  TORCH_CHECK_VALUE(ok, "kvkernels.", op, ": ", name, " must not overlap itself (no stride 0 or overlapping rows), ",
+                    "got shape ", t.sizes(), " and strides ", t.strides());
+}
+
 inline void check_last_dim_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "kvkernels.", op, ": ", name,
                     " must have stride 1 in its last dim (row strides may be anything), got ", t.strides());
@@ -65,6 +91,7 @@ inline void check_activation(const char* op, const char* name, const at::Tensor&
 
 inline void check_pack(const at::Tensor& codes, int64_t bits) {
   const char* op = "pack_bits";
+  check_defined(op, "codes", codes);
   check_bits(op, bits);
   TORCH_CHECK_TYPE(!at::isFloatingType(codes.scalar_type()) && !at::isComplexType(codes.scalar_type()) &&
                        codes.scalar_type() != at::kBool,
@@ -75,6 +102,7 @@ inline void check_pack(const at::Tensor& codes, int64_t bits) {
 
 inline void check_unpack(const at::Tensor& packed, int64_t bits) {
   const char* op = "unpack_bits";
+  check_defined(op, "packed", packed);
   check_bits(op, bits);
   check_dtype(op, "packed", packed, at::kInt);
   TORCH_CHECK_VALUE(packed.dim() >= 1 && packed.size(-1) % bits == 0, "kvkernels.unpack_bits: packed last dim must ",
@@ -83,6 +111,7 @@ inline void check_unpack(const at::Tensor& packed, int64_t bits) {
 
 inline void check_quantize(const char* op, const at::Tensor& x, int64_t bits, int64_t group_size,
                            const std::string& mode, double eta) {
+  check_defined(op, "x", x);
   check_bits(op, bits);
   parse_mode(op, mode);
   check_activation(op, "x", x);
@@ -112,6 +141,22 @@ inline void check_quantize_outputs(const char* op, const at::Tensor& x, int64_t 
   check_dtype(op, "zeros", zeros, at::kHalf);
   check_shape(op, "zeros", zeros, group_shape);
   check_last_dim_contiguous(op, "zeros", zeros);
+  check_no_self_overlap(op, "codes", codes);
+  check_no_self_overlap(op, "scales", scales);
+  check_no_self_overlap(op, "zeros", zeros);
+}
+
+// quantize_groups_into: every tensor present, then x and the parameters, then the outputs.
+inline void check_quantize_into(const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode,
+                                double eta, const at::Tensor& codes, const at::Tensor& scales,
+                                const at::Tensor& zeros) {
+  const char* op = "quantize_groups_into";
+  check_defined(op, "x", x);
+  check_defined(op, "codes", codes);
+  check_defined(op, "scales", scales);
+  check_defined(op, "zeros", zeros);
+  check_quantize(op, x, bits, group_size, mode, eta);
+  check_quantize_outputs(op, x, bits, group_size, codes, scales, zeros);
 }
 
 // dequantize_groups: returns the dequantized length L (values per row).
@@ -119,6 +164,8 @@ inline int64_t check_dequantize(const at::Tensor& codes, const at::Tensor& scale
                                 const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
                                 const std::string& mode) {
   const char* op = "dequantize_groups";
+  check_defined(op, "codes", codes);
+  check_defined(op, "scales", scales);
   check_bits(op, bits);
   const kvk::QuantMode qmode = parse_mode(op, mode);
   check_dtype(op, "codes", codes, at::kInt);
@@ -130,11 +177,14 @@ inline int64_t check_dequantize(const at::Tensor& codes, const at::Tensor& scale
   group_shape.back() = L / group_size;
   check_dtype(op, "scales", scales, at::kHalf);
   check_shape(op, "scales", scales, group_shape);
+  // unit last stride as for every other op's scales/zeros (kvkernels/_validate.py checks it for all of them)
+  check_last_dim_contiguous(op, "scales", scales);
   TORCH_CHECK_VALUE(qmode == kvk::QuantMode::kSym || zeros.has_value(), "kvkernels.", op,
                     ": zeros is required for asym and hybrid modes");
   if (zeros.has_value()) {
     check_dtype(op, "zeros", *zeros, at::kHalf);
     check_shape(op, "zeros", *zeros, group_shape);
+    check_last_dim_contiguous(op, "zeros", *zeros);
   }
   return L;
 }

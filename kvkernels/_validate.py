@@ -50,6 +50,13 @@ def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
         _fail(op, f"{name} must have stride 1 in its last dim (row strides may be anything), got {t.stride()}")
 
 
+def check_tensors(op: str, **tensors) -> None:
+    """Each named argument is a tensor (optional ones are checked where they are not None)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            _fail(op, f"{name} must be a tensor, got {type(t).__name__}", TypeError)
+
+
 def check_same_device(op: str, **tensors) -> None:
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
@@ -89,6 +96,7 @@ def _check_group_params(op, scales, zeros, expected, needs_zeros: bool) -> None:
 
 def check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale=None) -> None:
     op = "gemv_inner_q"
+    check_tensors(op, x=x, codes=codes, scales=scales)
     check_bits(op, bits)
     check_mode(op, mode)
     _check_x(op, x)
@@ -108,6 +116,7 @@ def check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale=
 
 def check_gemv_kivi(x, codes, scales, zeros, bits, group_size) -> None:
     op = "gemv_kivi"
+    check_tensors(op, x=x, codes=codes, scales=scales, zeros=zeros)
     check_bits(op, bits)
     _check_x(op, x)
     _check_kv_heads(op, x, codes)
@@ -123,6 +132,7 @@ def check_gemv_kivi(x, codes, scales, zeros, bits, group_size) -> None:
 
 
 def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:
+    check_tensors(op, x=x)
     check_bits(op, bits)
     check_mode(op, mode)
     check_dtype(op, "x", x, FLOAT_ACTIVATIONS)
@@ -135,8 +145,74 @@ def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:
         _fail(op, f"eta applies to asym mode only, got mode={mode!r} with eta={eta}")
 
 
+FP16_SCALE_LIMIT = 60000.0  # below fp16's 65504 with room for the rounding of s and of z + eta * s * (2^b - 1)
+VALUE_CHECK_CHUNK = 1 << 24  # elements per pass of check_values: bounds its temporaries to ~100 MB
+
+
+def _leading_chunks(t: torch.Tensor, limit: int):
+    """Views of t split along its leading dims, each of at most `limit` elements (or one last-dim row)."""
+    if t.numel() <= limit or t.dim() == 1:
+        yield t
+        return
+    row = t.numel() // t.shape[0]
+    if row > limit:  # one index of dim 0 is still too big: split the next dim
+        for i in range(t.shape[0]):
+            yield from _leading_chunks(t[i], limit)
+        return
+    step = limit // row
+    for start in range(0, t.shape[0], step):
+        yield t[start : start + step]
+
+
+def check_values(op: str, x: torch.Tensor, bits: int, group_size: int, mode: str) -> None:
+    """Reject input whose groups would store a non-finite or overflowing fp16 scale or zero (one device sync).
+
+    sym stores s = max|x| / 2^(b-1) (at most max|x|); asym stores z = min and s = (max - min) / (2^b - 1), which
+    at 1 bit is the full range: a group spanning -40000..40000 has |x| < 65504 but s = 80000 = inf in fp16.
+    Hybrid falls back to sym where asym's scale overflows, so it needs only the sym bound. Per-group min/max
+    are reduced in chunks of the leading dims, so the temporaries stay small whatever the size of x.
+    """
+    if not x.numel():
+        return
+    worst_abs = worst_scale = None
+    qmax = float(2**bits - 1)
+    for part in _leading_chunks(x.detach(), VALUE_CHECK_CHUNK):
+        lo, hi = part.unflatten(-1, (-1, group_size)).aminmax(dim=-1)
+        lo, hi = lo.float(), hi.float()
+        part_abs = torch.maximum(hi.abs().amax(), lo.abs().amax())  # NaN propagates through amax and maximum
+        worst_abs = part_abs if worst_abs is None else torch.maximum(worst_abs, part_abs)
+        if mode == "asym":
+            part_scale = ((hi - lo) / qmax).amax()
+            worst_scale = part_scale if worst_scale is None else torch.maximum(worst_scale, part_scale)
+    worst_abs = float(worst_abs) if worst_scale is None else float(torch.maximum(worst_abs, worst_scale))
+    if worst_abs != worst_abs or worst_abs == float("inf"):
+        _fail(op, "x contains NaN or Inf; quantizing it would poison its group's scale")
+    if worst_abs > FP16_SCALE_LIMIT:
+        what = "|x|" if worst_scale is None else "|x| or a group's (max - min) / (2^bits - 1)"
+        _fail(op, f"{what} reaches {worst_abs:.3g}; scales and zeros are fp16 and must stay below {FP16_SCALE_LIMIT:g}")
+
+
+def check_no_self_overlap(op: str, name: str, t: torch.Tensor) -> None:
+    """An output written in place must not alias itself (an expand()ed buffer, rows closer than a row's length):
+    the kernels would race on the shared words. Same rule as csrc/op_checks.h check_no_self_overlap: sorted by
+    stride, every dim of size > 1 must step past the span of the smaller-stride dims."""
+    if not t.numel():
+        return
+    span, ok = 0, True
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        ok = ok and stride > span
+        span += stride * (size - 1)
+    if not ok:
+        _fail(
+            op,
+            f"{name} must not overlap itself (no stride 0 or overlapping rows), "
+            f"got shape {list(t.shape)} and strides {list(t.stride())}",
+        )
+
+
 def check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros) -> None:
     op = "quantize_groups_into"
+    check_tensors(op, x=x, codes=codes, scales=scales, zeros=zeros)
     check_quantize(op, x, bits, group_size, mode, eta)
     lead = tuple(x.shape[:-1])
     L = x.shape[-1]
@@ -144,11 +220,14 @@ def check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros) ->
     check_shape(op, "codes", codes, lead + (L // BLOCK * bits,))
     check_last_dim_contiguous(op, "codes", codes)
     _check_group_params(op, scales, zeros, lead + (L // group_size,), True)
+    for name, t in (("codes", codes), ("scales", scales), ("zeros", zeros)):
+        check_no_self_overlap(op, name, t)
     check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros)
 
 
 def check_dequantize(codes, scales, zeros, bits, group_size, mode) -> None:
     op = "dequantize_groups"
+    check_tensors(op, codes=codes, scales=scales)
     check_bits(op, bits)
     check_mode(op, mode)
     check_dtype(op, "codes", codes, torch.int32)
@@ -162,6 +241,7 @@ def check_dequantize(codes, scales, zeros, bits, group_size, mode) -> None:
 
 def check_pack(codes, bits) -> None:
     op = "pack_bits"
+    check_tensors(op, codes=codes)
     check_bits(op, bits)
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         _fail(op, f"codes must be an integer tensor, got {codes.dtype}", TypeError)
@@ -171,6 +251,7 @@ def check_pack(codes, bits) -> None:
 
 def check_unpack(packed, bits) -> None:
     op = "unpack_bits"
+    check_tensors(op, packed=packed)
     check_bits(op, bits)
     check_dtype(op, "packed", packed, torch.int32)
     if packed.dim() < 1 or packed.shape[-1] % bits:

@@ -48,6 +48,10 @@ def _apply_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.T
         or attn_mask.shape[1] not in (1, H_q)
     ):
         raise ValueError(f"attn_mask must be [B or 1, H_q or 1, T={T}, N={N}], got {list(attn_mask.shape)}")
+    if not (attn_mask.dtype == torch.bool or attn_mask.dtype.is_floating_point):
+        # an integer 0/1 mask would be added to the scores (as SDPA adds float masks), silently attending to
+        # everything; SDPA itself rejects it too
+        raise TypeError(f"attn_mask must be bool (True = attend) or a float additive mask, got {attn_mask.dtype}")
     if attn_mask.dtype == torch.bool:
         # finfo.min rather than -inf: a fully masked row (a padding query) averages instead of giving NaN
         return scores.masked_fill(~attn_mask, torch.finfo(torch.float32).min)

@@ -124,6 +124,7 @@ BACKEND_DOC = {
 }
 
 FULL_SEQLENS = tuple(2**i for i in range(9, 18))  # 512 .. 131072
+MAX_SEQLEN = 2**20  # a bound on --seqlens (1M tokens: ~17 GB per batch row by case_peak_bytes)
 FULL_BATCHES = (1, 8)
 QUICK_SEQLENS = (512, 1024, 2048)
 QUICK_BATCHES = (1,)
@@ -784,8 +785,58 @@ def plot(res: dict, stem: Path) -> list[Path]:
 # CLI
 
 
-def _pow2_list(text: list[str]) -> tuple:
-    return tuple(int(x) for x in text)
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def _seqlen(text: str) -> int:
+    n = _positive_int(text)
+    if n % GROUP:
+        raise argparse.ArgumentTypeError(f"sequence lengths must be multiples of {GROUP}, got {n}")
+    if n > MAX_SEQLEN:
+        raise argparse.ArgumentTypeError(f"sequence lengths above {MAX_SEQLEN} are not benchmarked, got {n}")
+    return n
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (lo < x if lo_open else lo <= x) or not x <= hi:  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {text}")
+        return x
+
+    return parse
+
+
+# bytes one case may hold per K/V element at its peak: fp16 K and V (4), a dequantized fp32 operand (4) and the
+# reference check's fp32 dequantization with its temporaries (~8); a generous model, checked before the sweep
+PEAK_BYTES_PER_KV_ELEMENT = 16
+
+
+def _available_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def case_peak_bytes(shape: ModelShape, batch: int, seqlen: int) -> int:
+    """Estimated peak memory of the largest case of a (batch, seqlen): see PEAK_BYTES_PER_KV_ELEMENT."""
+    kv_elements = batch * shape.h_kv * seqlen * shape.d
+    return kv_elements * PEAK_BYTES_PER_KV_ELEMENT + batch * shape.h_q * seqlen * 6  # + p (fp16) and scores (fp32)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -796,19 +847,29 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="small grid: batch 1, seqlens 512-2048 (the CPU default)")
     p.add_argument("--out", default="bench_results", help="output directory (default: bench_results)")
-    p.add_argument("--batch", nargs="+", type=int, help=f"batch sizes (default {list(FULL_BATCHES)})")
-    p.add_argument("--seqlens", nargs="+", help="sequence lengths, multiples of 32 (default 512 .. 131072)")
+    p.add_argument("--batch", nargs="+", type=_positive_int, help=f"batch sizes (default {list(FULL_BATCHES)})")
+    p.add_argument(
+        "--seqlens", nargs="+", type=_seqlen, help=f"sequence lengths, multiples of {GROUP} (default 512 .. 131072)"
+    )
     p.add_argument("--methods", nargs="+", choices=list(METHODS), help="methods (fp16 is always added)")
     p.add_argument(
         "--backends",
         nargs="+",
+        choices=BACKENDS,
         help=f"backends among {', '.join(BACKENDS)} (default: cuda triton reference on GPU, cpp on CPU)",
     )
     p.add_argument("--model", default="llama-3.1-8b", choices=list(SHAPES), help="attention shape")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this many seconds")
-    p.add_argument("--hybrid-asym-frac", type=float, default=0.01, help="fraction of asym groups in hybrid V")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--budget-s",
+        type=_float_in(0, math.inf, lo_open=True),
+        default=None,
+        help="stop starting new cases after this many seconds",
+    )
+    p.add_argument(
+        "--hybrid-asym-frac", type=_float_in(0.0, 1.0), default=0.01, help="fraction of asym groups in hybrid V"
+    )
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check against the reference")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -826,10 +887,13 @@ def config_from_args(a: argparse.Namespace, log=print) -> Config:
     if device.type == "cpu" and not a.quick and (a.batch is None or a.seqlens is None):
         log("kvkernels bench: on CPU the default grid is the --quick one (batch 1, seqlens 512-2048)")
     batches = tuple(a.batch) if a.batch else (QUICK_BATCHES if small else FULL_BATCHES)
-    seqlens = _pow2_list(a.seqlens) if a.seqlens else (QUICK_SEQLENS if small else FULL_SEQLENS)
-    for n in seqlens:
-        if n <= 0 or n % GROUP:
-            raise SystemExit(f"kvkernels bench: sequence lengths must be positive multiples of {GROUP}, got {n}")
+    seqlens = tuple(a.seqlens) if a.seqlens else (QUICK_SEQLENS if small else FULL_SEQLENS)
+    need, have = case_peak_bytes(SHAPES[a.model], max(batches), max(seqlens)), _available_memory(device)
+    if have is not None and need > have:
+        raise SystemExit(
+            f"kvkernels bench: the largest case (batch {max(batches)}, seqlen {max(seqlens)}) needs about "
+            f"{need / 2**30:.1f} GiB, but {device.type} has {have / 2**30:.1f} GiB available; lower --batch/--seqlens"
+        )
     methods = tuple(dict.fromkeys(["fp16", *(a.methods or METHODS)]))  # the baseline of every ratio
     backends = (
         tuple(a.backends) if a.backends else (("cuda", "triton", "reference") if device.type == "cuda" else ("cpp",))
@@ -850,15 +914,21 @@ def config_from_args(a: argparse.Namespace, log=print) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    out_dir = Path(a.out)
+    if out_dir.exists() and not out_dir.is_dir():  # found before the sweep, not after it
+        p.error(f"--out {a.out}: exists and is not a directory")
     cfg = config_from_args(a)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {a.out}: cannot create it ({e.strerror})")
     if a.threads:
         torch.set_num_threads(a.threads)
     if cfg.device.type == "cpu":
         print(f"*** {CPU_WARNING}: this run times the CPU paths, not the GPU kernels ***")
     res = run_sweep(cfg)
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = out_dir / f"{_slug(res['env']['device_name'])}-{stamp}"
     json_path = stem.with_suffix(".json")

@@ -58,6 +58,11 @@ class ModelKVCache:
         made = sum(layer is not None for layer in self.layers)
         return f"ModelKVCache({self.format.name}, layers={len(self.layers)} ({made} created), seq_len={self.seq_len})"
 
+    @property
+    def num_layers(self) -> int | None:
+        """The model's layer count, or None when it was not given (the list grows as layers are created)."""
+        return len(self.layers) if self._fixed else None
+
     def _check_idx(self, idx: int) -> None:
         if not isinstance(idx, int) or idx < 0 or (self._fixed and idx >= len(self.layers)):
             raise IndexError(f"layer index {idx!r} out of range for a {len(self.layers)}-layer ModelKVCache")
@@ -114,7 +119,9 @@ class ModelKVCache:
             layer.reset()
 
     def crop(self, n: int) -> None:
-        for layer in self._created():
+        # from the top layer down: a cross-layer layer may read the layer below while it crops (XQuant's borrowed
+        # codes of a token group it dequantizes back into its window), so the layer below must still hold them
+        for layer in reversed(self._created()):
             layer.crop(n)
 
     def reorder(self, index) -> None:

@@ -26,6 +26,7 @@ OPS = (
     "gemv_kivi",
 )
 
+
 _CHECKS = {
     "pack_bits": V.check_pack,
     "unpack_bits": V.check_unpack,
@@ -39,11 +40,21 @@ _CHECKS = {
 }
 
 
+def _required_tensors(op: str) -> tuple[tuple[int, str], ...]:
+    # (position, name) of the schema's non-optional Tensor arguments: the dispatcher lets None through for them
+    schema = getattr(torch.ops.kvkernels, op).default._schema
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if isinstance(a.type, torch.TensorType))
+
+
 def _checked(op: str, fn):
     check = _CHECKS[op]
+    required = _required_tensors(op)
 
     @functools.wraps(fn)
     def kernel(*args, **kwargs):
+        for i, name in required:  # first, as the C++ ops do (csrc/op_checks.h check_defined)
+            if (args[i] if i < len(args) else kwargs.get(name)) is None:
+                raise TypeError(f"kvkernels.{op}: {name} must be a tensor, got None")
         check(*args, **kwargs)
         return fn(*args, **kwargs)
 
@@ -151,15 +162,6 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.ops.kvkernels.unpack_bits.default(packed, bits)
 
 
-def check_finite(op: str, x: torch.Tensor) -> None:
-    """Reject NaN/Inf and values beyond the fp16 scale range (one device sync)."""
-    amax = x.detach().abs().amax() if x.numel() else torch.zeros(())
-    if not torch.isfinite(amax):
-        raise ValueError(f"kvkernels.{op}: x contains NaN or Inf; quantizing it would poison its group's scale")
-    if float(amax) > 60000.0:
-        raise ValueError(f"kvkernels.{op}: |x| reaches {float(amax):.3g}; scales are fp16 and must stay below 65504")
-
-
 def quantize_groups(
     x: torch.Tensor, bits: int, group_size: int, mode: str = "sym", eta: float = 0.0, check_values: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,7 +173,7 @@ def quantize_groups(
     require_c("quantize_groups")
     V.check_quantize("quantize_groups", x, bits, group_size, mode, eta)
     if check_values:
-        check_finite("quantize_groups", x)
+        V.check_values("quantize_groups", x, bits, group_size, mode)
     return torch.ops.kvkernels.quantize_groups.default(x, bits, group_size, mode, float(eta))
 
 
@@ -190,7 +192,7 @@ def quantize_groups_into(
     require_c("quantize_groups_into")
     V.check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros)
     if check_values:
-        check_finite("quantize_groups_into", x)
+        V.check_values("quantize_groups_into", x, bits, group_size, mode)
     torch.ops.kvkernels.quantize_groups_into.default(x, bits, group_size, mode, float(eta), codes, scales, zeros)
 
 

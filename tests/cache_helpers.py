@@ -37,3 +37,32 @@ def expected_counts(config, total):
         "value_tail": rest - vq,
         "total": total,
     }
+
+
+def tiny_llama(head_dim=32, layers=2, heads=4, kv_heads=2, vocab=128, hidden=None, attn="kvkernels", seed=0):
+    """A random-init LlamaForCausalLM for integration tests (no special tokens, eval mode), on `attn`."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=hidden or heads * head_dim,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    if attn == "kvkernels":
+        from kvkernels.integrations.transformers import set_kvkernels_attention
+
+        set_kvkernels_attention(model)
+    else:
+        model.set_attn_implementation(attn)
+    return model

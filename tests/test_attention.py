@@ -4,12 +4,11 @@ import pytest
 import torch
 
 from kvkernels.attention import decode_attention, reference_decode_attention
-from kvkernels.formats import PRESETS, InnerQConfig, InnerQLayerCache, KIVIConfig, KIVILayerCache
+from kvkernels.formats import PRESETS, InnerQConfig, KIVIConfig, make_layer_cache
 
 
 def make_cache(config, B, H_kv, D, dtype=torch.float32, device="cpu", capacity=64):
-    cls = InnerQLayerCache if isinstance(config, InnerQConfig) else KIVILayerCache
-    return cls(config, B, H_kv, D, capacity=capacity, device=device, dtype=dtype)
+    return make_layer_cache(config, B, H_kv, D, capacity=capacity, device=device, dtype=dtype)
 
 
 def filled(config, B=2, H_kv=2, D=64, N=230, prefill=170, dtype=torch.float32, device="cpu", seed=0, outlier=8.0):

@@ -90,3 +90,37 @@ def test_rotation_exceeds_three_l2():
         assert 1 <= n <= bench.ROTATION_CAP
         assert n * nbytes >= 3 * l2 or n == bench.ROTATION_CAP
     assert bench.rotation_count(123, 0) == 1  # CPU: no rotation
+
+
+# every argument is validated before the sweep starts (these used to exit 0 after skipping everything, give a raw
+# traceback, or fail only after the whole sweep)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "-1"], "--batch: must be a positive integer"),
+        (["--batch", "0"], "--batch: must be a positive integer"),
+        (["--backends", "bogus"], "--backends: invalid choice"),
+        (["--budget-s", "-1"], "--budget-s: must be in"),
+        (["--seqlens", "1099511627776"], "--seqlens: sequence lengths above"),
+        (["--seqlens", "abc"], "--seqlens: not an integer"),
+        (["--seqlens", "100"], "--seqlens: sequence lengths must be multiples of 32"),
+        (["--hybrid-asym-frac", "5"], "--hybrid-asym-frac: must be in"),
+        (["--hybrid-asym-frac", "nan"], "--hybrid-asym-frac: must be in"),
+        (["--threads", "-1"], "--threads: must be a positive integer"),
+        (["--out", __file__], "exists and is not a directory"),
+    ],
+)
+def test_cli_rejects_bad_arguments_up_front(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--device", "cpu", "--no-progress", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_grid_that_cannot_fit_in_memory(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(bench, "run_sweep", lambda *a, **k: started.append(1))
+    with pytest.raises(SystemExit, match=r"needs about [0-9.]+ GiB, but cpu has"):
+        bench.main(["--device", "cpu", "--batch", "100000", "--seqlens", "2048", "--out", str(tmp_path)])
+    assert not started
+    assert bench.case_peak_bytes(bench.SHAPES["llama-3.1-8b"], 1, 2048) < 2**30

@@ -7,6 +7,7 @@ import torch
 from cache_helpers import expected_counts, kv, make_cache
 
 import kvkernels
+from kvkernels.cache import ModelKVCache
 from kvkernels.formats import (
     PRESETS,
     InnerQConfig,
@@ -152,10 +153,12 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
     s = cnt["sink"]
     G = config.group_size
     fmt = format_of(config)
-    for name, x, X, layout, bits, mode in (
-        ("key", k, K, fmt.key_layout, config.key_bits, config.key_mode),
-        ("value", v, V, fmt.value_layout, config.value_bits, config.value_mode),
+    # bits / mode / eta as the layer's stores hold them (a per-layer format such as XQuant picks them per layer)
+    for name, x, X, layout, store in (
+        ("key", k, K, fmt.key_layout, c.key_store),
+        ("value", v, V, fmt.value_layout, c.value_store),
     ):
+        bits, mode, eta = store.bits, store.mode, store.eta
         m = cnt[f"{name}_quantized"]
         assert torch.equal(X[:, :, :s], x[:, :, :s].float()), name  # sink: exact
         assert torch.equal(X[:, :, s + m :], x[:, :, s + m :].float()), name  # tail: exact
@@ -163,7 +166,6 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
         xq = x[:, :, s : s + m].float()
         norm = c.key_norm[None, :, None, :] if (c.key_norm is not None and name == "key") else torch.ones(())
         src = (xq / norm) if layout == "rows" else (xq / norm).transpose(2, 3)
-        eta = config.eta_for(mode)
         codes, scales, zeros = kvkernels.quantize_groups(src, bits, G, mode, eta)
         want = kvkernels.dequantize_groups(codes, scales, zeros, bits, G, mode)
         want = (want if layout == "rows" else want.transpose(2, 3)) * norm
@@ -175,18 +177,21 @@ def test_dequantized_exact_in_windows_and_bounded_in_stores(preset, dtype):
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_memory_bytes_match_effective_bits(preset):
-    config = PRESETS[preset]
+    # a whole model's layers: a cross-layer format's layers differ, effective_bits averages over them
+    config, L = PRESETS[preset], 6
     B, H, D = 2, 2, 64
-    c = make_cache(config, B=B, H=H, D=D, dtype=torch.float16)
-    c.prefill(*(t.half() for t in kv(B, H, 300, D)))
-    mem, cnt = c.memory_bytes(), c.token_counts()
-    e = effective_bits(config)
-    assert mem["key_quantized"] * 8 == e.key * B * H * D * cnt["key_quantized"]
-    assert mem["value_quantized"] * 8 == e.value * B * H * D * cnt["value_quantized"]
+    model = ModelKVCache(config, num_layers=L, capacity=64)
+    k, v = (t.half() for t in kv(B, H, 300, D))
+    for layer in range(L):
+        model.append(layer, k, v)
+    mem, cnt = model.memory_bytes(), model.layer(0).token_counts()
+    e = effective_bits(config, num_layers=L)
+    assert mem["key_quantized"] * 8 == e.key * B * H * D * cnt["key_quantized"] * L
+    assert mem["value_quantized"] * 8 == e.value * B * H * D * cnt["value_quantized"] * L
     window_tokens = 2 * cnt["sink"] + cnt["key_tail"] + cnt["value_tail"]
-    assert mem["window"] == window_tokens * B * H * D * 2
+    assert mem["window"] == window_tokens * B * H * D * 2 * L
     assert mem["total"] == mem["quantized"] + mem["window"]
-    assert mem["fp16_equivalent"] == 2 * B * H * 300 * D * 2
+    assert mem["fp16_equivalent"] == 2 * B * H * 300 * D * 2 * L
     assert mem["allocated"] >= mem["total"]
 
 

@@ -3,8 +3,11 @@ kernels (csrc/op_checks.h, shared with the CUDA bindings), the Python kernels an
 Regression tests for the defects found by fuzzing (the robustness issue, items 1-4): each of these used to crash the
 process (SIGFPE / SIGSEGV), read out of bounds, or return garbage."""
 
+import os
+
 import pytest
 import torch
+from cache_helpers import tiny_llama
 from conftest import requires_c
 
 import kvkernels
@@ -202,3 +205,219 @@ def test_public_dequantize_rejects_mixed_devices():
     _, c, s, z = _quantized()
     with pytest.raises(ValueError, match="one device"):
         kvkernels.dequantize_groups(c, s.to("meta"), z, 3, 32, "asym")
+
+
+# 5. the value check bounds what is stored: asym's (max - min) / (2^b - 1) and min, sym's max|x| / 2^(b-1)
+@requires_c
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_value_check_bounds_the_stored_scale(dtype):
+    x = torch.zeros(2, 64)
+    x[0, :16], x[0, 16:32] = -40000.0, 40000.0  # |x| < 65504, but the 1-bit asym scale is 80000 -> inf in fp16
+    x = x.to(dtype)
+    with pytest.raises(ValueError, match=r"\(max - min\)"):
+        kvkernels.quantize_groups(x, 1, 32, "asym")
+    # without the check it really is poisoned: the whole group reads back NaN
+    c, s, z = kvkernels.quantize_groups(x, 1, 32, "asym", check_values=False)
+    assert kvkernels.dequantize_groups(c, s, z, 1, 32, "asym")[0, :32].isnan().all()
+    # sym stores at most max|x| and hybrid falls back to sym where asym's scale overflows: both are accepted
+    for mode in ("sym", "hybrid"):
+        c, s, z = kvkernels.quantize_groups(x, 1, 32, mode)
+        assert torch.isfinite(kvkernels.dequantize_groups(c, s, z, 1, 32, mode)).all()
+    # 2 bits divide the same range by 3: 26667 fits
+    c, s, z = kvkernels.quantize_groups(x, 2, 32, "asym")
+    assert torch.isfinite(kvkernels.dequantize_groups(c, s, z, 2, 32, "asym")).all()
+    x[1, 40] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        kvkernels.quantize_groups(x, 4, 32, "sym")
+
+
+# 12. check_values reduces in chunks (small temporaries) and still sees a bad value in the last chunk
+@requires_c
+def test_value_check_works_in_chunks(monkeypatch):
+    from kvkernels import _validate
+
+    monkeypatch.setattr(_validate, "VALUE_CHECK_CHUNK", 256)
+    x = torch.randn(3, 5, 64)
+    chunks = list(_validate._leading_chunks(x, 256))
+    assert sum(c.numel() for c in chunks) == x.numel() and max(c.numel() for c in chunks) <= 256
+    kvkernels.quantize_groups(x, 2, 32, "asym")  # passes
+    x[2, 4, 63] = 70000.0
+    with pytest.raises(ValueError, match="reaches 7e\\+04"):
+        kvkernels.quantize_groups(x, 2, 32, "sym")
+    x[2, 4, 63] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        kvkernels.quantize_groups_into(
+            x,
+            2,
+            32,
+            "sym",
+            0.0,
+            *(t.clone() for t in kvkernels.quantize_groups(x.clamp(-9, 9), 2, 32, "sym")),
+            check_values=True,
+        )
+
+
+# 12. pack_bits reads narrow integer codes in their own dtype (it used to widen everything to int64 first)
+@requires_c
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_pack_bits_any_integer_dtype(dtype, bits):
+    from kvkernels.reference import packing
+
+    codes = torch.randint(0, 2**bits, (3, 96), generator=torch.Generator().manual_seed(bits)).to(dtype)
+    torch.testing.assert_close(ops.pack_bits(codes, bits), packing.pack_bits(codes.long(), bits), rtol=0, atol=0)
+    strided = codes.repeat(1, 2)[:, ::2]  # non-contiguous
+    torch.testing.assert_close(ops.pack_bits(strided, bits), packing.pack_bits(strided.long(), bits), rtol=0, atol=0)
+
+
+# -- the cache and the transformers integration (items 7-10) -------------------------------------------------
+
+
+def _tiny_llama(head_dim=64, layers=2):
+    return tiny_llama(head_dim=head_dim, layers=layers, heads=2, kv_heads=1, vocab=64, attn="sdpa")
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_handles_never_reach_another_attention_silently(impl):
+    # 7. no config -> fused=True; a model left on SDPA / eager read the handles as zero keys (5% agreement, no warning)
+    from kvkernels.integrations.transformers import KVKernelsCache
+
+    model = _tiny_llama()
+    model.set_attn_implementation(impl)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="set_attn_implementation\\('kvkernels'\\)"):
+        model.generate(ids, past_key_values=KVKernelsCache("kivi4", num_layers=2), max_new_tokens=3, do_sample=False)
+    # on the kvkernels attention the same cache runs, and the handles' metadata stays readable
+    model.set_attn_implementation("kvkernels")
+    cache = KVKernelsCache("kivi4", num_layers=2)
+    model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert cache.paths["fused"] == 2 * 2
+    k = torch.randn(1, 1, 1, 64)
+    handle, _ = cache.update(k, k, 0)
+    assert handle.shape == (1, 1, 0, 64) and handle.dtype == torch.float32 and handle.dim() == 4
+
+
+def test_integer_attention_masks_are_rejected():
+    # 8. an int64 0/1 mask used to be added to the scores
+    from kvkernels.formats import PRESETS, make_layer_cache
+
+    cache = make_layer_cache(PRESETS["kivi4"], 1, 2, 64, capacity=64, dtype=torch.float32)
+    cache.append(torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64))
+    q = torch.randn(1, 4, 1, 64)
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        cache.attention(q, attn_mask=torch.ones(1, 1, 1, 10, dtype=torch.int64))
+    as_bool = cache.attention(q, attn_mask=torch.ones(1, 1, 1, 10, dtype=torch.bool))
+    torch.testing.assert_close(as_bool, cache.attention(q))
+
+
+@pytest.mark.parametrize("method", ["innerq_base", "kivi4"])
+def test_cache_filled_under_inference_mode_appends_outside_it(method):
+    # 9. "Inplace update to inference tensor outside InferenceMode"; DynamicCache handles the same sequence
+    from kvkernels.integrations.transformers import KVKernelsCache
+
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_llama()
+    model.set_attn_implementation("kvkernels")
+    ids = torch.randint(0, 64, (1, 300), generator=torch.Generator().manual_seed(0))
+    cache, ref = KVKernelsCache(method, config=model.config), transformers.DynamicCache()
+    with torch.inference_mode():
+        model(ids[:, :280], past_key_values=cache)
+        model(ids[:, :280], past_key_values=ref)
+    with torch.no_grad():
+        for t in range(280, 300):  # crosses value-group evictions (writes into the stores)
+            out = model(ids[:, t : t + 1], past_key_values=cache).logits
+            model(ids[:, t : t + 1], past_key_values=ref)
+    assert cache.get_seq_length() == ref.get_seq_length() == 300
+    assert torch.isfinite(out).all()
+
+
+def test_cache_construction_rejects_what_generate_would_find_late():
+    # 10. these used to fail only at the first update inside generate(), or with a bare IndexError
+    transformers = pytest.importorskip("transformers")
+    from kvkernels.integrations.transformers import KVKernelsCache
+
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match="head_dim=80 must be a multiple of group_size"):
+        KVKernelsCache("kivi4", config=_tiny_llama(head_dim=80).config)
+    with pytest.raises(ValueError, match="capacity must be an int >= 0"):
+        KVKernelsCache("innerq_base", config=model.config, capacity=-5)
+    with pytest.raises(ValueError, match="num_layers=3 but the model config has 2"):
+        KVKernelsCache("innerq_base", config=model.config, num_layers=3)
+    with pytest.raises(NotImplementedError, match="sliding window of 4096"):
+        KVKernelsCache("kivi4", config=transformers.MistralConfig(num_hidden_layers=2))
+    KVKernelsCache("kivi4", config=transformers.Qwen2Config(num_hidden_layers=2))  # sliding_window unused: fine
+    model.set_attn_implementation("kvkernels")
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="built for 1 layers but the model updated layer 1"):
+        model.generate(ids, past_key_values=KVKernelsCache("kivi4", num_layers=1), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("method", ["innerq_base", "kivi4"])
+def test_crop_to_zero_is_a_reset(method):
+    # 10. crop(0) kept the old prompt's InnerQ key norm; the next write must fix a new one, like a fresh cache
+    from kvkernels.formats import PRESETS, make_layer_cache
+
+    def make():
+        return make_layer_cache(PRESETS[method], 1, 2, 64, capacity=64, dtype=torch.float32)
+
+    gen = torch.Generator().manual_seed(0)
+    first = [torch.randn(1, 2, 300, 64, generator=gen) * 8 for _ in range(2)]
+    second = [torch.randn(1, 2, 300, 64, generator=gen) for _ in range(2)]
+    cropped, fresh = make(), make()
+    cropped.append(*first)
+    cropped.crop(0)
+    assert cropped.seq_len == 0
+    cropped.append(*second)
+    fresh.append(*second)
+    for a, b in zip(cropped.dequantized(), fresh.dequantized(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    q = torch.randn(1, 4, 1, 64, generator=gen)
+    torch.testing.assert_close(cropped.attention(q), fresh.attention(q), rtol=0, atol=0)
+
+
+# -- NaN policy of the GEMVs (docs/FORMATS.md, "NaN / Inf"): a NaN stays in the outputs it contributes to ----------
+
+
+def _gemv_backends():
+    from kvkernels import reference
+
+    yield "reference", reference
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        try:
+            import kvkernels.triton_kernels as tk
+            from kvkernels.triton_kernels._common import interpreter_problem
+        except ImportError:
+            return
+        if torch.cuda.is_available() or not interpreter_problem():
+            yield "triton", tk
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the Triton interpreter's numpy
+@pytest.mark.parametrize("backend", [name for name, _ in _gemv_backends()])
+def test_gemv_nan_stays_in_the_outputs_it_feeds(backend):
+    impl = dict(_gemv_backends())[backend]
+    gen = torch.Generator().manual_seed(0)
+    B, H_kv, ratio, M, L = 2, 2, 2, 5, 64
+    k = torch.randn(B, H_kv, M, L, generator=gen)
+    codes, scales, zeros = kvkernels.quantize_groups(k, 3, 32, "asym")
+    x = torch.randn(B, H_kv * ratio, L, generator=gen)
+    x[1, 3, 7] = float("nan")  # query row (b=1, h_q=3)
+    y = impl.gemv_inner_q(x, codes, scales, zeros, 3, 32, "asym")
+    nan = torch.zeros_like(y, dtype=torch.bool)
+    nan[1, 3] = True  # every score of that row, nothing else
+    assert torch.equal(y.isnan(), nan)
+    x[1, 3, 7] = 0.0
+    scales[0, 1, 4, 1] = float("nan")  # token 4 of KV head 1 in batch 0: its score in both query heads of head 1
+    y = impl.gemv_inner_q(x, codes, scales, zeros, 3, 32, "asym")
+    nan = torch.zeros_like(y, dtype=torch.bool)
+    nan[0, 2:4, 4] = True
+    assert torch.equal(y.isnan(), nan)
+    # the value side (KIVI layout, groups along the reduced rows' columns): a NaN probability poisons its row
+    v = torch.randn(B, H_kv, L, 64, generator=gen)
+    codes, scales, zeros = kvkernels.quantize_groups(v, 2, 32, "asym")
+    p = torch.rand(B, H_kv * ratio, L, generator=gen)
+    p[0, 0, 3] = float("nan")
+    y = impl.gemv_kivi(p, codes, scales, zeros, 2, 32)
+    nan = torch.zeros_like(y, dtype=torch.bool)
+    nan[0, 0] = True
+    assert torch.equal(y.isnan(), nan)

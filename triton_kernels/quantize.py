@@ -300,6 +300,8 @@ def dequantize_groups(
     if n_rows == 0 or L == 0:
         return out
     z = zeros if zeros is not None else scales  # sym never reads it
+    if codes.shape[-1] > 1 and codes.stride(-1) != 1:  # the kernel reads each row's words contiguously
+        codes = codes.contiguous()  # (the checks require unit last strides of scales and zeros, not of codes)
     rows = collapse_rows(lead, codes, scales, z)
     if rows is None:
         codes, scales, z = codes.contiguous(), scales.contiguous(), z.contiguous()

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch_v2.h>
 
 #include <string>
 #include <vector>
@@ -26,20 +27,27 @@ void check_cpu(const char* op, const char* name, const at::Tensor& t) {
 at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
   check_pack(codes, bits);
   check_cpu("pack_bits", "codes", codes);
-  const at::Tensor flat = codes.to(at::kLong).contiguous();
+  // Read the codes in their own dtype: a widening copy (uint8 -> int64) would cost 8x the input in memory.
+  const at::Tensor flat = codes.contiguous();
   const int64_t n = flat.numel(), nblocks = n / kvk::kBlockValues;
   auto sizes = codes.sizes().vec();
   sizes.back() = sizes.back() / kvk::kBlockValues * bits;
   at::Tensor out = at::empty(sizes, codes.options().dtype(at::kInt));
-  const int64_t* src = flat.data_ptr<int64_t>();
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, nblocks, 1024, [&](int64_t begin, int64_t end) {
-    uint32_t block[kvk::kBlockValues];
-    for (int64_t b = begin; b < end; ++b) {
-      for (int i = 0; i < kvk::kBlockValues; ++i) block[i] = static_cast<uint32_t>(src[b * kvk::kBlockValues + i]);
-      kvk::pack_block_rt(block, dst + b * bits, static_cast<int>(bits));
-    }
-  });
+  AT_DISPATCH_V2(
+      flat.scalar_type(), "pack_bits", AT_WRAP([&] {
+        const scalar_t* src = flat.const_data_ptr<scalar_t>();
+        at::parallel_for(0, nblocks, 1024, [&](int64_t begin, int64_t end) {
+          uint32_t block[kvk::kBlockValues];
+          for (int64_t b = begin; b < end; ++b) {
+            // the low 32 bits, as the int64 -> uint32 cast did; pack_block masks to `bits` anyway
+            for (int i = 0; i < kvk::kBlockValues; ++i)
+              block[i] = static_cast<uint32_t>(static_cast<uint64_t>(src[b * kvk::kBlockValues + i]));
+            kvk::pack_block_rt(block, dst + b * bits, static_cast<int>(bits));
+          }
+        });
+      }),
+      AT_EXPAND(AT_INTEGRAL_TYPES_V2));
   return out;
 }
 
@@ -115,8 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor&
 void quantize_groups_into(const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode, double eta,
                           at::Tensor codes, at::Tensor scales, at::Tensor zeros) {
   const char* op = "quantize_groups_into";
-  check_quantize(op, x, bits, group_size, mode, eta);
-  check_quantize_outputs(op, x, bits, group_size, codes, scales, zeros);
+  check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros);
   check_cpu(op, "x", x);
   check_cpu(op, "codes", codes);
   check_cpu(op, "scales", scales);

@@ -9,6 +9,7 @@
                                   // ATen/cuda/CUDAContext.h would also pull in the cuBLAS/cuSPARSE headers
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -81,17 +82,23 @@ at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
   check_pack(codes, bits);
   check_cuda(op, "codes", codes, codes.device());
   const c10::cuda::CUDAGuard device_guard(codes.device());
-  // int32 keeps the low 32 bits, like the CPU op's int64 -> uint32; pack_block masks to `bits` anyway
-  const at::Tensor src = codes.to(at::kInt).contiguous();
+  // The kernel reads int32 codes. Other dtypes are converted a chunk of blocks at a time, so packing 256 MB of
+  // uint8 codes needs 64 MB of int32 temporaries, not 1 GB; int32 keeps the low 32 bits, like the CPU op.
+  const at::Tensor flat = codes.contiguous().view(-1);
   auto sizes = codes.sizes().vec();
   sizes.back() = sizes.back() / kBlock * bits;
   at::Tensor out = at::empty(sizes, codes.options().dtype(at::kInt));
-  kvk::PackParams p{};
-  p.codes = src.const_data_ptr<int32_t>();
-  p.packed = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  p.nblocks = src.numel() / kBlock;
-  p.bits = static_cast<int>(bits);
-  check_launch(op, kvk::launch_pack_bits(p, current_stream()));
+  constexpr int64_t kChunkValues = int64_t(1) << 24;
+  for (int64_t start = 0; start < flat.numel(); start += kChunkValues) {
+    const int64_t count = std::min(kChunkValues, flat.numel() - start);  // a multiple of kBlock: numel % 32 == 0
+    const at::Tensor src = flat.narrow(0, start, count).to(at::kInt);
+    kvk::PackParams p{};
+    p.codes = src.const_data_ptr<int32_t>();
+    p.packed = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>()) + start / kBlock * bits;
+    p.nblocks = count / kBlock;
+    p.bits = static_cast<int>(bits);
+    check_launch(op, kvk::launch_pack_bits(p, current_stream()));
+  }
   return out;
 }
 
@@ -178,8 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groups(const at::Tensor&
 void quantize_groups_into(const at::Tensor& x, int64_t bits, int64_t group_size, const std::string& mode, double eta,
                           at::Tensor codes, at::Tensor scales, at::Tensor zeros) {
   const char* op = "quantize_groups_into";
-  check_quantize_cuda(op, x, bits, group_size, mode, eta);
-  check_quantize_outputs(op, x, bits, group_size, codes, scales, zeros);
+  check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros);
+  check_cuda(op, "x", x, x.device());
   check_cuda(op, "codes", codes, x.device());
   check_cuda(op, "scales", scales, x.device());
   check_cuda(op, "zeros", zeros, x.device());
@@ -274,6 +281,9 @@ at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::
                         const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
                         const std::string& mode, const std::optional<at::Tensor>& x_scale) {
   const char* op = "gemv_inner_q";
+  check_defined(op, "x", x);
+  check_defined(op, "codes", codes);
+  check_defined(op, "scales", scales);
   check_bits(op, bits);
   const kvk::QuantMode qmode = parse_mode(op, mode);
   check_x_and_codes(op, x, codes);
@@ -331,6 +341,10 @@ at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                      int64_t bits, int64_t group_size) {
   const char* op = "gemv_kivi";
+  check_defined(op, "x", x);
+  check_defined(op, "codes", codes);
+  check_defined(op, "scales", scales);
+  check_defined(op, "zeros", zeros);
   check_bits(op, bits);
   check_x_and_codes(op, x, codes);
   const int64_t B = codes.size(0), H_kv = codes.size(1), R = codes.size(2), W = codes.size(3);

@@ -169,10 +169,15 @@ KVK_HD GroupAffine group_affine(uint16_t scale_bits, uint16_t zero_bits) {
   }
 }
 
+// As group_affine: only hybrid reads the sign bit as a flag (and drops it); sym and asym take the scale as stored,
+// negative or not, like the reference and the compiled GEMVs.
 KVK_HD GroupAffine group_affine_rt(QuantMode mode, int bits, uint16_t scale_bits, uint16_t zero_bits) {
-  const bool asym = mode == QuantMode::kAsym || (mode == QuantMode::kHybrid && (scale_bits & kHalfSignBit) != 0);
-  const float s = half_bits_to_float(static_cast<uint16_t>(scale_bits & 0x7fffu));
-  return {s, asym ? half_bits_to_float(zero_bits) : -s * sym_offset_rt(bits)};
+  if (mode == QuantMode::kHybrid) {
+    const float s = half_bits_to_float(static_cast<uint16_t>(scale_bits & 0x7fffu));
+    return {s, (scale_bits & kHalfSignBit) != 0 ? half_bits_to_float(zero_bits) : -s * sym_offset_rt(bits)};
+  }
+  const float s = half_bits_to_float(scale_bits);
+  return {s, mode == QuantMode::kAsym ? half_bits_to_float(zero_bits) : -s * sym_offset_rt(bits)};
 }
 
 // ---- quantizing one group (reference formulas in kvkernels/reference/quant.py) ----

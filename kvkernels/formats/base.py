@@ -147,7 +147,7 @@ class QuantStore:
     def _grow(self, needed: int) -> None:
         """Reallocate to max(2 * cap, needed) tokens and copy the used part; the only place the store is copied."""
         new_cap = _round_up(max(2 * self.cap, needed), self.cap_unit)
-        used = self.views()
+        used = QuantStore.views(self)  # this store's own buffers (a subclass's views() may read another's codes)
         self.cap = new_cap
         self.codes, self.scales, self.zeros = self._alloc(self.batch, new_cap)
         for dst, src in zip((self.codes, self.scales, self.zeros), used, strict=True):
@@ -164,14 +164,19 @@ class QuantStore:
             raise ValueError(f"QuantStore({self.layout}): writes must be multiples of {self.step} tokens, got {n}")
         if self.n + n > self.cap:
             self._grow(self.n + n)
-        codes, scales, zeros = self.views(self.n, self.n + n)
+        codes, scales, zeros = QuantStore.views(self, self.n, self.n + n)  # this store's own buffers
         if zeros is None:  # sym: the op still writes (all-zero) zeros, into a throwaway buffer
             zeros = torch.empty(scales.shape, dtype=torch.float16, device=scales.device)
-        src = x if self.layout == "rows" else x.transpose(2, 3)
+        src = (x if self.layout == "rows" else x.transpose(2, 3)).contiguous()
         ops.quantize_groups_into(
-            src.contiguous(), self.bits, self.group_size, self.mode, self.eta, codes, scales, zeros
+            src, self.bits, self.group_size, self.mode, self.eta, self._codes_out(codes, src), scales, zeros
         )
         self.n += n
+
+    def _codes_out(self, codes: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Where write() puts the codes of src: the view `codes` of the code buffer (a store that keeps no codes
+        of its own returns a scratch tensor)."""
+        return codes
 
     def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Tokens [lo, hi) (multiples of step) as fp32 [B, H, hi - lo, D]."""
@@ -227,9 +232,7 @@ class QuantizedLayerCache:
         for name, val in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        G = config.group_size
-        if head_dim % G:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of group_size={G}")
+        self.format.check_head_dim(config, head_dim)
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -239,6 +242,7 @@ class QuantizedLayerCache:
         # resolved through a tensor so "cuda" compares equal to the tensors' "cuda:0"
         self.device, self.dtype = torch.empty(0, device=device).device, dtype
         self.w_sink, self.w_recent = config.w_sink, config.w_recent
+        G = config.group_size
         qcap = max(capacity - self.w_sink - self.w_recent, G)
         args = (batch, num_kv_heads, head_dim, qcap, self.device)
         kmode, vmode = config.key_mode, config.value_mode
@@ -343,6 +347,12 @@ class QuantizedLayerCache:
         n = k.shape[2]
         if n == 0:
             return
+        if self._sink_k.is_inference() and not torch.is_inference_mode_enabled():
+            # buffers made under torch.inference_mode() cannot be written in place outside it; DynamicCache only
+            # concatenates, so it does not care. Copy them once into normal tensors (the used part is kept).
+            self._map_batch(torch.clone)
+            if self.key_norm is not None:
+                self.key_norm = self.key_norm.clone()
         if self.seq_len == 0:
             self._on_first_write(k)
         k, v = k.to(self.dtype), v.to(self.dtype)
@@ -438,6 +448,9 @@ class QuantizedLayerCache:
         if n < 0:
             n = max(N + n, 0)
         if n >= N:
+            return
+        if n == 0:  # an empty cache: the next write is a prefill again (and fixes a new key norm, InnerQ)
+            self.reset()
             return
         if n <= self.n_sink:
             self.n_sink = n
@@ -600,8 +613,27 @@ class Format:
         )
 
     # -- costs and descriptions -----------------------------------------------------------------------------
-    def effective_bits(self, config) -> EffectiveBits:
-        """Bits per quantized key/value including fp16 group metadata; windows reported separately."""
+    def check_head_dim(self, config, head_dim: int) -> None:
+        """Raise ValueError unless a layer of this head_dim can be stored (both layouts group G channels of a token
+        or G tokens of a channel; the per-token one needs head_dim % G == 0). Callers that know the model's
+        head_dim before the first token (KVKernelsCache given a model config) check it up front."""
+        if head_dim % config.group_size == 0:
+            return
+        fits = [g for g in range(_BLOCK, head_dim + 1, _BLOCK) if head_dim % g == 0]
+        hint = (
+            f"group_size={fits[-1]} would fit"
+            if fits
+            else f"no group size fits: head_dim is not a multiple of {_BLOCK}"
+        )
+        raise ValueError(
+            f"head_dim={head_dim} must be a multiple of group_size={config.group_size} for the {self.name} format "
+            f"({hint})"
+        )
+
+    def effective_bits(self, config, num_layers: int | None = None) -> EffectiveBits:
+        """Bits per quantized key/value including fp16 group metadata, averaged over the layers of a num_layers-layer
+        model (a cross-layer format's layers differ; None: the format's reference depth); windows reported
+        separately. Every layer of a single-layer format costs the same, so it ignores num_layers."""
         G = config.group_size
         meta = 16.0 / G
 

@@ -61,7 +61,9 @@ somewhat worse quantization than unpadded ones.
 Safety net: with `fused=None` (default) the cache reads `config._attn_implementation` at every decode step; if it
 is not "kvkernels" (e.g. the model still runs "sdpa"), handles would be misread as zero-length keys, so `update`
 returns the dequantized cache instead, with a one-time warning (correct, but slow: simulated quantization).
-fused=False forces that path. With no config given, fused defaults to True.
+fused=False forces that path. With no config given, fused defaults to True; the handles then guard themselves:
+they are a tensor subclass on which any torch operation but a metadata read raises, so an attention function
+other than "kvkernels" fails at the first decode step with a message naming the fix.
 
 Generation support: get_seq_length, get_mask_sizes, get_max_length / get_max_cache_shape (-1: unbounded),
 reorder_cache (beam search), crop (assisted / prompt-lookup decoding; negative = drop that many tokens, positive
@@ -127,6 +129,42 @@ def method_config(method: str, **overrides):
     if method not in PRESETS:  # read now, not at import: formats registered later count
         raise ValueError(f"unknown method {method!r}; choose from {', '.join((*PRESETS, 'fp16'))}")
     return preset_format(method).apply_overrides(PRESETS[method], overrides, label=method)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the decode handle
+
+
+def _metadata_getters() -> frozenset:
+    # what an attention layer may read of its key/value before choosing what to do with them
+    props = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_meta", "is_cpu")
+    methods = (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__repr__, torch.Tensor.__format__)
+    return frozenset((*(getattr(torch.Tensor, p).__get__ for p in props), *methods))
+
+
+_HANDLE_METADATA = _metadata_getters()
+
+
+class _DecodeHandle(torch.Tensor):
+    """The empty [B, H_kv, 0, D] tensor a fused decode step returns from update() (see the module docstring).
+
+    Only the "kvkernels" attention function knows what it means. Any other attention function would read it as
+    zero cached tokens and produce plausible garbage, so every torch operation on it but metadata reads raises:
+    a model left on SDPA / eager fails at its first decode step instead of generating nonsense.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _HANDLE_METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", repr(func))
+        raise RuntimeError(
+            f"kvkernels: a KVKernelsCache decode handle reached {name}(), i.e. an attention implementation other than "
+            f"{ATTN_IMPLEMENTATION!r}. Call model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (or load the model "
+            f"with attn_implementation={ATTN_IMPLEMENTATION!r}), or build the cache with config=model.config so it "
+            "notices the model's implementation and returns the dequantized cache instead (fused=None)."
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -233,8 +271,8 @@ class KVKernelsLayer(CacheLayerMixin):
         ):
             name = "fp16" if self._format is None else self._format.name
             raise ValueError(f"key_norm_factors does not apply to the {name} format")
-        if config is not None and model_cache is None:
-            model_cache = ModelKVCache(config)
+        if config is not None and model_cache is None:  # a private cache of the layers up to this one
+            model_cache = ModelKVCache(config, num_layers=(layer_idx or 0) + 1)
         self.model_cache = model_cache
         self.config = config
         self.capacity = int(capacity)
@@ -303,7 +341,7 @@ class KVKernelsLayer(CacheLayerMixin):
         return False
 
     def _handle(self, like: torch.Tensor) -> torch.Tensor:
-        h = like.new_empty((like.shape[0], like.shape[1], 0, like.shape[3]))
+        h = like.new_empty((like.shape[0], like.shape[1], 0, like.shape[3])).as_subclass(_DecodeHandle)
         setattr(h, _HANDLE_ATTR, self)
         return h
 
@@ -425,14 +463,22 @@ class KVKernelsCache(Cache):
     ):
         self.method = method
         self.format = method_config(method, **overrides)
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        if num_layers is not None and (
+            not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
+        ):
+            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
         text = config.get_text_config(decoder=True) if config is not None else None
         if text is not None:
-            layer_types = getattr(text, "layer_types", None) or []
-            other = sorted({t for t in layer_types if t != "full_attention"})
-            if other:
-                raise NotImplementedError(f"KVKernelsCache supports full-attention layers only; this model has {other}")
-            if num_layers is None:
-                num_layers = text.num_hidden_layers
+            # everything the first update inside generate() would find out, found out now
+            _check_model_config(text, self.format)
+            if num_layers is not None and num_layers != text.num_hidden_layers:
+                raise ValueError(
+                    f"num_layers={num_layers} but the model config has {text.num_hidden_layers} layers; "
+                    "leave num_layers out when config= is given"
+                )
+            num_layers = text.num_hidden_layers
         self._layer_kwargs = {
             "capacity": capacity,
             "fused": fused,
@@ -464,6 +510,19 @@ class KVKernelsCache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # 5.17 name; -1 = unbounded
         return -1
 
+    def crop(self, max_length: int) -> None:
+        """Cache.crop, from the top layer down (see ModelKVCache.crop: cross-layer formats read the layer below)."""
+        for layer in reversed(self.layers):
+            layer.crop(max_length)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.layer_class_to_replicate is None and not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"KVKernelsCache was built for {len(self.layers)} layers but the model updated layer {layer_idx}; "
+                "pass config=model.config (or the model's num_layers)"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def memory_bytes(self) -> dict[str, int]:
         """Per-layer memory_bytes() summed over the initialized layers (kvkernels.formats.base for the keys)."""
         total: dict[str, int] = {}
@@ -480,6 +539,24 @@ class KVKernelsCache(Cache):
             for key, val in layer.paths.items():
                 out[key] = out.get(key, 0) + val
         return out
+
+
+def _check_model_config(text, format_config) -> None:
+    """Reject, at construction, a model whose layers the cache cannot serve (text: the decoder text config)."""
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:  # authoritative where present (Qwen2 sets sliding_window but uses it on no layer)
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise NotImplementedError(f"KVKernelsCache supports full-attention layers only; this model has {other}")
+    elif getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+        raise NotImplementedError(
+            f"KVKernelsCache supports full-attention layers only; this model uses a sliding window of "
+            f"{text.sliding_window} tokens"
+        )
+    if format_config is None:
+        return
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    format_of(format_config).check_head_dim(format_config, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------------------

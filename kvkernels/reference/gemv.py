@@ -41,7 +41,8 @@ def gemv_inner_q(
     if x_scale is not None:
         xg = xg * x_scale.to(torch.float32)[None, :, None, None, :]  # x_scale: [H_kv, L]
     w = dequantize_groups(codes, scales, zeros, bits, group_size, mode)  # [B, H_kv, M, L]
-    y = (xg @ w.unsqueeze(2).transpose(-1, -2)).reshape(B, H_q, T, -1)  # [B, H_q, T, M]
+    # explicit M, not -1: reshape cannot infer a dim of an empty tensor (B, H_q or T == 0)
+    y = (xg @ w.unsqueeze(2).transpose(-1, -2)).reshape(B, H_q, T, codes.shape[2])  # [B, H_q, T, M]
     return y if has_t else y.squeeze(2)
 
 
@@ -53,5 +54,5 @@ def gemv_kivi(
     B, H_q, T, _ = x4.shape
     xg = _by_kv_head(x4.to(torch.float32), codes.shape[1])  # [B, H_kv, gq, T, R]
     w = dequantize_groups(codes, scales, zeros, bits, group_size, "asym")  # [B, H_kv, R, C]
-    y = (xg @ w.unsqueeze(2)).reshape(B, H_q, T, -1)  # [B, H_q, T, C]
+    y = (xg @ w.unsqueeze(2)).reshape(B, H_q, T, w.shape[-1])  # [B, H_q, T, C]; explicit C as in gemv_inner_q
     return y if has_t else y.squeeze(2)

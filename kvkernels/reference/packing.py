@@ -29,8 +29,11 @@ def _unpack_plane(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., N] integers in [0, 2^bits), N % 32 == 0  ->  int32 words [..., N * bits / 32]."""
-    c = codes.to(torch.int64)
+    """codes [..., N] integers in [0, 2^bits), N % 32 == 0  ->  int32 words [..., N * bits / 32].
+
+    A code outside the range keeps its low `bits` bits (two's complement), as in csrc/kvkernels/packing.cuh.
+    """
+    c = codes.to(torch.int64) & (2**bits - 1)
     if bits != 3:
         return _pack_plane(c, bits)
     blocks = c.unflatten(-1, (-1, BLOCK))  # [..., nblocks, 32]

@@ -1,0 +1,866 @@
+"""Fuzzing every kvkernels op through torch.ops (issue 12): random, mostly invalid, arguments on the CPU registration
+(C++ or the reference) and on the fakes (all tensors on device='meta').
+
+Each case is a consistent call (shapes, dtypes, bits, group size, mode, eta) plus zero to two mutations: a wrong
+dtype, a wrong or empty shape, a non-unit last stride, a tensor on 'meta' among CPU tensors, None for a tensor, bits
+0/5/9/-1, group sizes 0/negative/non-multiples, bad modes, eta NaN/negative/>= 0.5/with sym, Python values of the
+wrong type. Layouts include padded rows, storage offsets, stride-0 (broadcast) leading dims and column-major
+tensors; values include NaN, Inf, huge, subnormal, constant and arbitrary fp16 bit patterns. Every call must end in
+one of two ways:
+  * an exception of type ValueError/TypeError/RuntimeError/IndexError whose message names the op, of the same type
+    on CPU and on meta (the C++ checks, csrc/op_checks.h, and the Python ones, kvkernels/_validate.py, agree);
+  * a result equal to kvkernels.reference (bit-exact for packing and quantization, within fp32 rounding bounds for
+    dequantization and the GEMVs, which are checked against a float64 evaluation of their formula), with the
+    shapes and dtypes the fake returns for the same call; quantize_groups_into writes nothing outside its views.
+
+Each op runs in its own subprocess (`python tests/test_fuzz_ops.py --worker OP`), so a crash (SIGSEGV, SIGFPE,
+abort) fails that op's test, naming the signal and the case being run, instead of killing pytest. Hypothesis runs
+derandomized (the same cases on every run) with EXAMPLES examples per op. For longer hunts by hand:
+`--examples 20000 --seed N` (other cases), `--backend triton` (the Triton kernels as ops.py registers them for CUDA,
+under TRITON_INTERPRET=1 on CPU: about 0.3 s a call, so not in CI).
+"""
+
+import argparse
+import faulthandler
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import hypothesis
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import kvkernels
+from kvkernels import reference
+
+EXAMPLES = 2000
+MIN_VALID_FRACTION = 0.2  # of the examples, calls that must succeed (so the value checks really run)
+ROOT = Path(__file__).resolve().parent.parent
+ALLOWED_ERRORS = (ValueError, TypeError, RuntimeError, IndexError)  # NotImplementedError is a RuntimeError
+
+BITS = (1, 2, 3, 4)
+BAD_BITS = (-1, 0, 5, 8, 9, 32, 2**31, -(2**63))
+MODES = ("sym", "asym", "hybrid")
+BAD_MODES = ("", "SYM", "asymm", "hybrid ", "none", "sym\x00")
+GROUPS = (32, 64, 96, 128)
+BAD_GROUPS = (0, -32, 1, 16, 33, 48, 2**40, -(2**63))
+ETAS = (0.0, 0.0, -0.0, 0.1, 0.25, 0.49)
+BAD_ETAS = (math.nan, -0.1, 0.5, 0.7, 1.0, 2.0, math.inf, -math.inf, 0.25)  # 0.25 is bad with sym/hybrid
+WRONG_PY_TYPES = (None, 2.5, "2", True)
+FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
+ANY_DTYPE = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+)
+INT_CODE_DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
+FLOAT_VALUES = ("normal", "normal", "wide", "special", "discrete", "constant", "huge", "zeros")
+SCALE_VALUES = ("scale", "scale", "scale", "fp16bits", "special", "zeros")
+INPUT_LAYOUTS = ("contig", "contig", "contig", "padded", "offset", "bcast", "colmajor")
+OUTPUT_LAYOUTS = ("contig", "contig", "padded", "offset")
+
+
+# ---- cases -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TSpec:
+    """How to build one tensor argument: shape, dtype, memory layout, kind of values, device."""
+
+    shape: tuple
+    dtype: torch.dtype
+    layout: str = "contig"  # contig | padded | offset | bcast | colmajor | last2
+    values: str = "normal"
+    device: str = "cpu"
+
+    def __repr__(self):
+        dev = ", meta" if self.device == "meta" else ""
+        return f"T({list(self.shape)}, {str(self.dtype).removeprefix('torch.')}, {self.layout}, {self.values}{dev})"
+
+
+@dataclass
+class Case:
+    op: str
+    args: dict  # argument name (as in the schema) -> TSpec, None or a Python scalar
+    seed: int
+    mutations: list = field(default_factory=list)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.args.items())
+        return f"Case({self.op}: {args}; seed={self.seed}, mutations={self.mutations})"
+
+
+def _strides(shape, layout, pad=3):
+    """(strides, storage offset) of a tensor of `shape` in the given layout."""
+    n = len(shape)
+    fastest_first = range(n) if layout == "colmajor" else range(n - 1, -1, -1)
+    strides, acc = [0] * n, 1
+    for i, d in enumerate(fastest_first):
+        strides[d] = acc * (2 if layout == "last2" and i == 0 else 1)
+        acc = strides[d] * max(shape[d], 1) + (pad if layout == "padded" and i == 0 else 0)
+    if layout == "bcast" and n >= 2:  # a leading dim read with stride 0 (an expand()ed tensor)
+        d = next((d for d in range(n - 1) if shape[d] > 1), 0)
+        strides[d] = 0
+    return strides, (pad if layout in ("offset", "padded") else 0)
+
+
+SPECIALS = (math.nan, math.inf, -math.inf, 0.0, -0.0, 65504.0, -65504.0, 65520.0, 3.0e38, -3.0e38, 1e-45, 6e-8, 1e-30)
+
+
+def _values(n, dtype, kind, gen):
+    """n values of `dtype` of the given kind (float kinds for float dtypes, integer kinds for integer ones)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).bool()
+    if dtype.is_complex:
+        return torch.randn(n, generator=gen, dtype=dtype)
+    if not dtype.is_floating_point:
+        if kind.startswith("codes"):  # valid codes for `bits`
+            v = torch.randint(0, 2 ** int(kind[5:]), (n,), generator=gen)
+        elif kind == "oob":
+            v = torch.randint(-40, 40, (n,), generator=gen)
+        else:  # arbitrary bit patterns of the dtype (int64 words, wrapped by the cast)
+            v = torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen)
+        return v.to(dtype)
+    if kind == "fp16bits" and dtype == torch.float16:
+        return torch.randint(-(2**15), 2**15, (n,), generator=gen, dtype=torch.int16).view(torch.float16)
+    scale = 10.0 ** float(torch.empty(()).uniform_(-2, 2, generator=gen))
+    if kind in ("normal", "fp16bits"):
+        v = torch.randn(n, generator=gen, dtype=torch.float64) * scale
+    elif kind == "scale":  # realistic positive scales
+        v = torch.rand(n, generator=gen, dtype=torch.float64) * scale / 10
+    elif kind == "wide":
+        sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+        v = sign * 10.0 ** torch.empty(n, dtype=torch.float64).uniform_(-46, 39, generator=gen)
+    elif kind == "special":
+        v = torch.randn(n, generator=gen, dtype=torch.float64) * scale
+        pick = torch.randint(0, len(SPECIALS), (n,), generator=gen)
+        hit = torch.rand(n, generator=gen) < 0.2
+        v = torch.where(hit, torch.tensor(SPECIALS, dtype=torch.float64)[pick], v)
+    elif kind == "discrete":
+        v = torch.tensor([0.0, 1.0, -1.0, 0.5, -2.0, 3.0], dtype=torch.float64)[
+            torch.randint(0, 6, (n,), generator=gen)
+        ]
+    elif kind == "constant":
+        v = torch.full((n,), float(torch.randn((), generator=gen)) * scale, dtype=torch.float64)
+    elif kind == "huge":
+        sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+        v = sign * torch.empty(n, dtype=torch.float64).uniform_(6e4, 3.4e38, generator=gen)
+    elif kind == "zeros":
+        v = torch.zeros(n, dtype=torch.float64)
+    else:  # an integer kind on a float dtype (after a dtype mutation)
+        v = torch.randn(n, generator=gen, dtype=torch.float64)
+    return v.to(dtype)
+
+
+def build(spec, gen):
+    """(tensor, flat backing buffer or None). The buffer holds random values outside the view too."""
+    strides, offset = _strides(spec.shape, spec.layout)
+    if spec.device == "meta":
+        return torch.empty_strided(spec.shape, strides, dtype=spec.dtype, device="meta"), None
+    extent = 1 + sum((s - 1) * st for s, st in zip(spec.shape, strides, strict=True)) if all(spec.shape) else 0
+    buf = _values(offset + extent + 4, spec.dtype, spec.values, gen)
+    return buf.as_strided(spec.shape, strides, offset), buf
+
+
+def as_meta(a):
+    if isinstance(a, torch.Tensor):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    return a
+
+
+# ---- strategies: one consistent call per op, then mutations -------------------------------------------------------
+
+
+def _float_spec(draw, shape, dtypes=FLOAT_X, layouts=INPUT_LAYOUTS, values=FLOAT_VALUES):
+    return TSpec(
+        tuple(shape), draw(st.sampled_from(dtypes)), draw(st.sampled_from(layouts)), draw(st.sampled_from(values))
+    )
+
+
+def _codes_spec(draw, shape, layouts=INPUT_LAYOUTS):
+    return TSpec(tuple(shape), torch.int32, draw(st.sampled_from(layouts)), "bits")
+
+
+def _scale_spec(draw, shape, layouts=INPUT_LAYOUTS):
+    return TSpec(tuple(shape), torch.float16, draw(st.sampled_from(layouts)), draw(st.sampled_from(SCALE_VALUES)))
+
+
+def _lead(draw, max_dims=3):
+    return draw(st.lists(st.sampled_from((0, 1, 1, 2, 2, 3, 3, 5)), min_size=0, max_size=max_dims))
+
+
+def _length(draw, group):
+    return group * draw(st.sampled_from((0, 1, 1, 1, 2, 2, 3, 4)))
+
+
+def _mutate_shape(draw, shape):
+    shape = list(shape)
+    how = draw(st.sampled_from(("grow", "shrink", "zero", "drop", "add", "scalar")))
+    if how == "scalar":
+        return ()
+    if how == "add":
+        return (draw(st.sampled_from((1, 2))), *shape)
+    if not shape:
+        return (draw(st.sampled_from((0, 1, 32))),)
+    d = draw(st.integers(0, len(shape) - 1))
+    if how == "drop":
+        return tuple(shape[:d] + shape[d + 1 :])
+    if how == "zero":
+        shape[d] = 0
+    else:
+        shape[d] = max(0, shape[d] + draw(st.sampled_from((1, 2, 32) if how == "grow" else (-1, -2, -32))))
+    return tuple(shape)
+
+
+def _mutate(draw, case: Case, scalar_bad: dict, optional=()):
+    tensors = [k for k, v in case.args.items() if isinstance(v, TSpec)]
+    menu = ["scalar", "pytype"] + (["dtype", "shape", "shape", "stride", "device", "none"] if tensors else [])
+    how = draw(st.sampled_from(menu))
+    if how in ("scalar", "pytype"):
+        name = draw(st.sampled_from(sorted(scalar_bad)))
+        value = draw(st.sampled_from(scalar_bad[name] if how == "scalar" else WRONG_PY_TYPES))
+        case.args[name] = value
+        case.mutations.append(f"{name}={value!r}" if how == "scalar" else f"pytype:{name}={value!r}")
+        return
+    name = draw(st.sampled_from(tensors))
+    spec = case.args[name]
+    if how == "dtype":
+        spec = replace(spec, dtype=draw(st.sampled_from(ANY_DTYPE)))
+    elif how == "shape":
+        spec = replace(spec, shape=_mutate_shape(draw, spec.shape))
+    elif how == "stride":
+        spec = replace(spec, layout=draw(st.sampled_from(("last2", "colmajor", "bcast"))))
+    elif how == "device":
+        spec = replace(spec, device="meta")
+    elif how == "none":
+        spec = None
+    case.args[name] = spec
+    case.mutations.append(f"{how}:{name}" + ("" if name in optional or how != "none" else "(required)"))
+
+
+def _finish(draw, case: Case, scalar_bad: dict, optional=()):
+    for _ in range(draw(st.sampled_from((0, 0, 0, 1, 1, 2)))):
+        _mutate(draw, case, scalar_bad, optional)
+    return case
+
+
+@st.composite
+def pack_bits_cases(draw):
+    bits = draw(st.sampled_from(BITS))
+    shape = (*_lead(draw), 32 * draw(st.sampled_from((0, 1, 1, 2, 3, 4, 5, 8))))
+    values = draw(st.sampled_from((f"codes{bits}",) * 4 + ("oob", "bits")))
+    codes = TSpec(shape, draw(st.sampled_from(INT_CODE_DTYPES)), draw(st.sampled_from(INPUT_LAYOUTS)), values)
+    case = Case("pack_bits", {"codes": codes, "bits": bits}, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {"bits": BAD_BITS})
+
+
+@st.composite
+def unpack_bits_cases(draw):
+    bits = draw(st.sampled_from(BITS))
+    packed = _codes_spec(draw, (*_lead(draw), bits * draw(st.sampled_from((0, 1, 1, 2, 3, 4, 5, 8)))))
+    case = Case("unpack_bits", {"packed": packed, "bits": bits}, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {"bits": BAD_BITS})
+
+
+def _quant_scalars(draw):
+    bits, group, mode = draw(st.sampled_from(BITS)), draw(st.sampled_from(GROUPS)), draw(st.sampled_from(MODES))
+    eta = draw(st.sampled_from(ETAS)) if mode == "asym" else draw(st.sampled_from((0.0, 0.0, -0.0)))
+    return bits, group, mode, eta
+
+
+QUANT_BAD = {"bits": BAD_BITS, "group_size": BAD_GROUPS, "eta": BAD_ETAS}
+
+
+@st.composite
+def quantize_groups_cases(draw):
+    bits, group, mode, eta = _quant_scalars(draw)
+    x = _float_spec(draw, (*_lead(draw), _length(draw, group)))
+    args = {"x": x, "bits": bits, "group_size": group, "mode": mode, "eta": eta}
+    case = Case("quantize_groups", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {**QUANT_BAD, "mode": BAD_MODES})
+
+
+@st.composite
+def quantize_groups_into_cases(draw):
+    bits, group, mode, eta = _quant_scalars(draw)
+    lead, L = _lead(draw), _length(draw, group)
+    x = _float_spec(draw, (*lead, L))
+    codes = _codes_spec(draw, (*lead, L // 32 * bits), OUTPUT_LAYOUTS)
+    scales = _scale_spec(draw, (*lead, L // group), OUTPUT_LAYOUTS)
+    zeros = _scale_spec(draw, (*lead, L // group), OUTPUT_LAYOUTS)
+    args = {"x": x, "bits": bits, "group_size": group, "quant_mode": mode, "eta": eta}
+    args |= {"codes": codes, "scales": scales, "zeros": zeros}
+    case = Case("quantize_groups_into", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {**QUANT_BAD, "quant_mode": BAD_MODES})
+
+
+@st.composite
+def dequantize_groups_cases(draw):
+    bits, group, mode, _ = _quant_scalars(draw)
+    lead, L = _lead(draw), _length(draw, group)
+    codes = _codes_spec(draw, (*lead, L // 32 * bits))
+    scales = _scale_spec(draw, (*lead, L // group))
+    zeros = None if mode == "sym" and draw(st.booleans()) else _scale_spec(draw, (*lead, L // group))
+    args = {"codes": codes, "scales": scales, "zeros": zeros, "bits": bits, "group_size": group, "mode": mode}
+    case = Case("dequantize_groups", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {"bits": BAD_BITS, "group_size": BAD_GROUPS, "mode": BAD_MODES}, optional=("zeros",))
+
+
+def _gemv_heads(draw):
+    B = draw(st.sampled_from((0, 1, 1, 1, 2, 2, 3, 3)))
+    H_kv = draw(st.sampled_from((1, 1, 2)))
+    H_q = H_kv * draw(st.sampled_from((1, 2, 3)))
+    T = draw(st.sampled_from((None, None, None, 0, 1, 2, 3, 5)))
+    return B, H_q, H_kv, T
+
+
+@st.composite
+def gemv_inner_q_cases(draw):
+    B, H_q, H_kv, T = _gemv_heads(draw)
+    bits, group, mode, _ = _quant_scalars(draw)
+    L, M = _length(draw, group), draw(st.sampled_from((0, 1, 3, 5, 8, 13, 16, 33)))
+    x = _float_spec(draw, (B, H_q, L) if T is None else (B, H_q, T, L))
+    codes = _codes_spec(draw, (B, H_kv, M, L // 32 * bits))
+    scales = _scale_spec(draw, (B, H_kv, M, L // group))
+    zeros = None if mode == "sym" and draw(st.booleans()) else _scale_spec(draw, (B, H_kv, M, L // group))
+    x_scale = None if draw(st.booleans()) else _float_spec(draw, (H_kv, L), (torch.float32,), values=SCALE_VALUES)
+    args = {"x": x, "codes": codes, "scales": scales, "zeros": zeros, "bits": bits, "group_size": group}
+    args |= {"mode": mode, "x_scale": x_scale}
+    case = Case("gemv_inner_q", args, draw(st.integers(0, 2**32 - 1)))
+    bad = {"bits": BAD_BITS, "group_size": BAD_GROUPS, "mode": BAD_MODES}
+    return _finish(draw, case, bad, optional=("zeros", "x_scale"))
+
+
+@st.composite
+def gemv_kivi_cases(draw):
+    B, H_q, H_kv, T = _gemv_heads(draw)
+    bits, group = draw(st.sampled_from(BITS)), draw(st.sampled_from(GROUPS))
+    R, C = draw(st.sampled_from((0, 1, 3, 8, 17, 40, 64, 100))), _length(draw, group)
+    x = _float_spec(draw, (B, H_q, R) if T is None else (B, H_q, T, R))
+    codes = _codes_spec(draw, (B, H_kv, R, C // 32 * bits))
+    scales = _scale_spec(draw, (B, H_kv, R, C // group))
+    zeros = _scale_spec(draw, (B, H_kv, R, C // group))
+    args = {"x": x, "codes": codes, "scales": scales, "zeros": zeros, "bits": bits, "group_size": group}
+    case = Case("gemv_kivi", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {"bits": BAD_BITS, "group_size": BAD_GROUPS})
+
+
+CASES = {
+    "pack_bits": pack_bits_cases,
+    "unpack_bits": unpack_bits_cases,
+    "quantize_groups": quantize_groups_cases,
+    "quantize_groups_into": quantize_groups_into_cases,
+    "dequantize_groups": dequantize_groups_cases,
+    "gemv_inner_q": gemv_inner_q_cases,
+    "gemv_kivi": gemv_kivi_cases,
+}
+
+
+# ---- oracles -----------------------------------------------------------------------------------------------------
+
+EPS32 = 2.0**-23
+
+
+def _same_bits_or_nan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # fp16 tensors: identical bit patterns, or both NaN (the payload and sign of a NaN are not part of the contract)
+    return (a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())
+
+
+def _hybrid_tie(x, bits, group):
+    # per group: whether sym and asym have equal squared error to fp32 rounding (the C++ sums in another order)
+    xg = x.float().unflatten(-1, (-1, group))
+    err_s = reference.quant._sym(xg, bits)[3]
+    err_a = reference.quant._asym(xg, bits)[4]
+    gap = (err_s - err_a).abs() / (err_s.abs() + err_a.abs() + 1e-30)
+    return (gap < 1e-5) | ~torch.isfinite(gap)
+
+
+def check_quantized(x, bits, group, mode, eta, got):
+    codes, scales, zeros = got
+    want_c, want_s, want_z = reference.quantize_groups(x, bits, group, mode, eta)
+    agree = _same_bits_or_nan(scales, want_s) & _same_bits_or_nan(zeros, want_z)  # per group
+    if mode == "hybrid":  # a group may flip between sym and asym only where their errors tie
+        assert bool((agree | _hybrid_tie(x, bits, group)).all()), "hybrid picked another mode off a tie"
+    else:
+        assert bool(agree.all()), f"scales/zeros differ from the reference in {int((~agree).sum())} groups"
+    u, want_u = reference.unpack_bits(codes, bits), reference.unpack_bits(want_c, bits)
+    same = (u == want_u).unflatten(-1, (-1, group)).all(-1)
+    assert bool((same | ~agree).all()), f"codes differ from the reference in {int((~same & agree).sum())} groups"
+
+
+def _assert_within(got, want64, mag64, rel: float, what: str, gate64=None):
+    """|got - want64| <= rel * mag64 (+ fp32 underflow) where gate64 (default mag64), a bound on every partial sum,
+    is finite and fp32-representable: there the fp32 evaluation can neither overflow nor meet an Inf or a NaN."""
+    assert got.dtype == torch.float32, f"{what}: dtype {got.dtype}"
+    gate64 = mag64 if gate64 is None else gate64
+    checked = torch.isfinite(gate64) & (gate64 < 1e37)
+    err = (got.double() - want64).abs()
+    bad = checked & ~(err <= rel * mag64 + 1e-40)  # NaN err (got NaN) is bad too
+    if bad.any():
+        i = tuple(int(j) for j in bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} elements off, e.g. at {i}: {got[i]} vs {want64[i]}")
+
+
+def check_dequantized(codes, scales, zeros, bits, group, mode, got):
+    want = reference.dequantize_groups(codes, scales, zeros, bits, group, mode)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    nonfinite = ~torch.isfinite(want)
+    assert torch.equal(got[nonfinite].isnan(), want[nonfinite].isnan()), "NaN where the reference has none"
+    s, zeff = reference.group_affine(scales, zeros, bits, mode)
+    mag = (s.abs() * (2**bits - 1) + zeff.abs()).double().repeat_interleave(group, dim=-1)
+    _assert_within(got, want.double(), mag, 4 * EPS32, "dequantize_groups")
+
+
+def _weights(codes, scales, zeros, bits, group, mode, factorized):
+    """(w, magnitude, gate), float64 [..., rows, L]: w the dequantized weights; the magnitude its rounding follows,
+    |w| where w is formed first (the reference: dequantize, then matmul), |s| u + |zeff| where s and zeff are
+    folded out of the dot products (Triton: s * dot(x, u) + zeff * sum(x)); the gate also bounds those unscaled
+    intermediates, which overflow fp32 first when |x| nears 2^128 / 2^b and s is small (Triton only)."""
+    w = reference.dequantize_groups(codes, scales, zeros, bits, group, mode).double()
+    if not factorized:
+        return w, w.abs(), w.abs()
+    u = reference.unpack_bits(codes, bits).double()
+    s, zeff = (
+        t.double().abs().repeat_interleave(group, dim=-1) for t in reference.group_affine(scales, zeros, bits, mode)
+    )
+    return w, s * u + zeff, s * u + zeff + u + 1  # the last also bounds dot(x, u) and sum(x), formed unscaled
+
+
+def _gemv_oracle(x, w, w_mag, w_gate, x_scale, H_kv, reduce_first):
+    """float64 sum of the exact products of the fp32 operands the kernel sees: (y, error scale, partial-sum bound)."""
+    x4 = x if x.dim() == 4 else x.unsqueeze(2)
+    B, H_q, T, L = x4.shape
+    xf = x4.float().reshape(B, H_kv, H_q // H_kv, T, L)
+    if x_scale is not None:
+        xf = xf * x_scale.float()[None, :, None, None, :]  # fp32 products, as the reference forms them
+    xf = xf.double()
+    eq = "bkgtl,bkml->bkgtm" if reduce_first else "bkgtr,bkrc->bkgtc"
+    n_out = w.shape[2] if reduce_first else w.shape[3]  # explicit: the result may be empty
+    y = torch.einsum(eq, xf, w).reshape(B, H_q, T, n_out)
+    mag, gate = (torch.einsum(eq, xf.abs(), t).reshape(y.shape) for t in (w_mag, w_gate))
+    return (y, mag, gate) if x.dim() == 4 else (y.squeeze(2), mag.squeeze(2), gate.squeeze(2))
+
+
+def check_gemv_inner_q(x, codes, scales, zeros, bits, group, mode, x_scale, got, factorized=False):
+    w, w_mag, w_gate = _weights(codes, scales, zeros, bits, group, mode, factorized)  # [B, H_kv, M, L]
+    y, mag, gate = _gemv_oracle(x, w, w_mag, w_gate, x_scale, codes.shape[1], True)
+    assert got.shape == y.shape, (got.shape, y.shape)
+    _assert_within(got, y, mag, (x.shape[-1] + 2) * EPS32, "gemv_inner_q", gate)
+
+
+def check_gemv_kivi(x, codes, scales, zeros, bits, group, got, factorized=False):
+    w, w_mag, w_gate = _weights(codes, scales, zeros, bits, group, "asym", factorized)  # [B, H_kv, R, C]
+    y, mag, gate = _gemv_oracle(x, w, w_mag, w_gate, None, codes.shape[1], False)
+    assert got.shape == y.shape, (got.shape, y.shape)
+    _assert_within(got, y, mag, (x.shape[-1] + 2) * EPS32, "gemv_kivi", gate)
+
+
+def check_result(op, a, got, before, backend="cpu"):
+    """The output of a successful call (a: the built arguments by name) against the reference."""
+    if op == "pack_bits":
+        want = reference.pack_bits(a["codes"], a["bits"])
+        assert got.dtype == torch.int32 and torch.equal(got, want), "pack_bits differs from the reference"
+    elif op == "unpack_bits":
+        want = reference.unpack_bits(a["packed"], a["bits"])
+        assert got.dtype == torch.uint8 and torch.equal(got, want), "unpack_bits differs from the reference"
+    elif op == "quantize_groups":
+        check_quantized(a["x"], a["bits"], a["group_size"], a["mode"], a["eta"], got)
+    elif op == "quantize_groups_into":
+        assert got is None
+        outs = (a["codes"], a["scales"], a["zeros"])
+        check_quantized(a["x"], a["bits"], a["group_size"], a["quant_mode"], a["eta"], outs)
+        for name, (buf, snapshot) in before.items():  # nothing written outside the views
+            view = a[name]
+            inside = torch.zeros(buf.shape, dtype=torch.bool)
+            inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
+            same = (buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype) == snapshot) | inside
+            assert bool(same.all()), f"quantize_groups_into wrote outside {name}"
+    elif op == "dequantize_groups":
+        check_dequantized(*(a[k] for k in ("codes", "scales", "zeros", "bits", "group_size", "mode")), got)
+    elif op == "gemv_inner_q":
+        names = ("x", "codes", "scales", "zeros", "bits", "group_size", "mode", "x_scale")
+        check_gemv_inner_q(*(a[k] for k in names), got, factorized=backend == "triton")
+    elif op == "gemv_kivi":
+        check_gemv_kivi(
+            *(a[k] for k in ("x", "codes", "scales", "zeros", "bits", "group_size")), got, backend == "triton"
+        )
+    else:
+        raise AssertionError(f"no oracle for {op}")
+
+
+def _assert_clear(op, e, where):
+    assert isinstance(e, ALLOWED_ERRORS), f"{where}: {type(e).__name__} is not a check's error: {e}"
+    assert op in str(e), f"{where}: the message does not name kvkernels.{op}: {e}"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _meta_of(x):
+    return [(t.shape, t.dtype) for t in x] if isinstance(x, tuple | list) else (x if x is None else (x.shape, x.dtype))
+
+
+def _kernel(op: str, backend: str):
+    """What a CPU call runs: the dispatcher (C++ or reference), or the Triton kernel as ops.py registers it for CUDA."""
+    if backend == "triton":
+        import kvkernels.triton_kernels as tk
+
+        from kvkernels.ops import _checked
+
+        return _checked(op, getattr(tk, op))
+    return getattr(torch.ops.kvkernels, op).default
+
+
+def run_case(case: Case, backend: str = "cpu") -> tuple[str, str]:
+    """Runs one case on CPU and on meta: (outcome, message), outcome 'ok' or the exception type; or AssertionError."""
+    op = case.op
+    gen = torch.Generator().manual_seed(case.seed)
+    a, bufs = {}, {}
+    for name, spec in case.args.items():
+        if isinstance(spec, TSpec):
+            a[name], bufs[name] = build(spec, gen)
+        else:
+            a[name] = spec
+    if backend == "triton" and any(m.startswith("pytype:") for m in case.mutations):
+        return "skipped (Python types: the dispatcher parses them before any kernel)", ""
+    devices = {t.device.type for t in a.values() if isinstance(t, torch.Tensor)}
+    fake = getattr(torch.ops.kvkernels, op).default  # the dispatcher: the fake for meta tensors
+    fn = _kernel(op, backend) if devices == {"cpu"} else fake  # a meta tensor or none: no CPU kernel runs
+    before = {}
+    if op == "quantize_groups_into":
+        for name in ("codes", "scales", "zeros"):
+            if bufs.get(name) is not None:
+                buf = bufs[name]
+                before[name] = (buf, buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype).clone())
+    inputs = {k: (v.clone() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v) for k, v in a.items()}
+
+    cpu_err = got = None
+    try:
+        got = fn(*a.values())
+    except Exception as e:  # noqa: BLE001 - the point is to see every exception
+        cpu_err = e
+        _assert_clear(op, e, "cpu")
+    if len(devices) > 1:  # CPU and meta tensors
+        assert cpu_err is not None, "a call with CPU and meta tensors did not raise"
+
+    meta_err = meta_got = None
+    try:
+        meta_got = fake(*(as_meta(v) for v in a.values()))
+    except Exception as e:  # noqa: BLE001
+        meta_err = e
+        _assert_clear(op, e, "meta")
+    if len(devices) <= 1:
+        assert type(cpu_err) is type(meta_err), f"cpu raised {cpu_err!r} but meta raised {meta_err!r}"
+    if cpu_err is not None:
+        return type(cpu_err).__name__, str(cpu_err).splitlines()[0][:160]
+    if "meta" in devices:
+        return "ok (all on meta)", ""  # a device mutation moved the only tensors: the call above was the fake
+
+    for k, v in inputs.items():  # inputs are read only (the outputs of quantize_groups_into aside)
+        if isinstance(v, torch.Tensor) and not (op == "quantize_groups_into" and k in ("codes", "scales", "zeros")):
+            assert _same(v, a[k]), f"{op} modified its input {k}"
+    assert _meta_of(got) == _meta_of(meta_got), f"cpu returned {_meta_of(got)}, the fake {_meta_of(meta_got)}"
+    check_result(op, a, got, before, backend)
+    outputs = (a["codes"], a["scales"], a["zeros"]) if got is None else got if isinstance(got, tuple) else (got,)
+    return ("ok" if any(t.numel() for t in outputs) else "ok (empty)"), ""
+
+
+# ---- the worker (one op per process) and the pytest side -----------------------------------------------------------
+
+
+def schema_ops() -> list[str]:
+    """Every op csrc/ops.cpp defines."""
+    return re.findall(r'm\.def\(\s*"(\w+)\(', (ROOT / "csrc" / "ops.cpp").read_text())
+
+
+def worker(op: str, examples: int, trace: str | None, seed: int | None = None, backend: str = "cpu") -> int:
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    stats, messages = Counter(), defaultdict(list)  # outcome -> count, a few of its messages
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=seed is None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=(Phase.generate, Phase.shrink),
+        print_blob=False,
+    )
+    @given(CASES[op]())
+    def fuzz(case):
+        if trace:  # the case in flight, for the parent to show if this process dies
+            Path(trace).write_text(repr(case))
+        stats["examples"] += 1
+        outcome, message = run_case(case, backend)
+        stats[outcome] += 1
+        if message and len(messages[outcome]) < 3 and message not in messages[outcome]:
+            messages[outcome].append(message)
+
+    start = time.perf_counter()
+    (fuzz if seed is None else hypothesis.seed(seed)(fuzz))()
+    report = {"op": op, "backend": backend, "examples": stats.pop("examples")}
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    print("FUZZ-REPORT " + json.dumps(report | {"outcomes": dict(stats)}), flush=True)
+    for outcome, texts in sorted(messages.items()):
+        print(f"  {outcome}: " + " | ".join(texts))
+    return 0
+
+
+requires_c = pytest.mark.skipif(kvkernels.backends()["cpp"] != "available", reason="kvkernels._C not built")
+
+
+_ARG_NAMES = {
+    "pack_bits": ("codes", "bits"),
+    "unpack_bits": ("packed", "bits"),
+    "quantize_groups": ("x", "bits", "group_size", "mode", "eta"),
+    "quantize_groups_into": ("x", "bits", "group_size", "quant_mode", "eta", "codes", "scales", "zeros"),
+    "dequantize_groups": ("codes", "scales", "zeros", "bits", "group_size", "mode"),
+    "gemv_inner_q": ("x", "codes", "scales", "zeros", "bits", "group_size", "mode", "x_scale"),
+    "gemv_kivi": ("x", "codes", "scales", "zeros", "bits", "group_size"),
+}
+
+
+@requires_c
+def test_fuzzer_covers_every_schema():
+    # a new op needs a case strategy and an oracle here; the cases pass arguments in the schema's order
+    assert sorted(CASES) == sorted(schema_ops())
+    for op in schema_ops():
+        schema = getattr(torch.ops.kvkernels, op).default._schema
+        assert [a.name for a in schema.arguments] == list(_ARG_NAMES[op]), op
+
+
+JOBS = int(os.environ.get("KVKERNELS_FUZZ_JOBS", "2"))  # workers at a time (one thread each)
+
+
+def _run_worker(op: str, trace: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", op, "--examples", str(EXAMPLES)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    return subprocess.run([*cmd, "--trace", str(trace)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def fuzz_runs(request, tmp_path_factory):
+    """op -> Future of its worker's CompletedProcess: the selected ops' workers start together, JOBS at a time."""
+    selected = [i.callspec.params["op"] for i in request.session.items if i.originalname == "test_fuzz_op"]
+    traces = tmp_path_factory.mktemp("fuzz")
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        yield {op: (pool.submit(_run_worker, op, traces / f"{op}.txt"), traces / f"{op}.txt") for op in selected}
+
+
+@requires_c
+@pytest.mark.parametrize("op", schema_ops())
+def test_fuzz_op(op, fuzz_runs):
+    future, trace = fuzz_runs[op]
+    proc = future.result()
+    out = (proc.stdout + proc.stderr)[-6000:]
+    if proc.returncode < 0:
+        last = trace.read_text() if trace.exists() else "?"
+        pytest.fail(f"{op}: the worker died of {signal.Signals(-proc.returncode).name} on {last}\n{out}")
+    assert proc.returncode == 0, f"{op}: the fuzzer found a failing case:\n{out}"
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FUZZ-REPORT "))
+    report = json.loads(line.removeprefix("FUZZ-REPORT "))
+    print(line)
+    assert report["examples"] >= EXAMPLES, report
+    assert report["outcomes"].get("ok", 0) >= MIN_VALID_FRACTION * report["examples"], "too few valid calls"
+
+
+# ---- regressions: what the fuzzer found, one direct test each ------------------------------------------------------
+
+
+def _meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@requires_c
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_bits_keeps_the_low_bits_of_out_of_range_codes(bits):
+    # the op does not check values (the public wrapper does, with a sync): C++ masked, the reference overflowed
+    # into the neighbouring fields; both now keep each code's low `bits` bits
+    codes = torch.arange(-40, 88, dtype=torch.int64).reshape(4, 32)
+    want = reference.pack_bits(codes & (2**bits - 1), bits)
+    assert torch.equal(torch.ops.kvkernels.pack_bits(codes, bits), want)
+    assert torch.equal(reference.pack_bits(codes, bits), want)
+
+
+def _negative_scale_case(mode):
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-(2**31), 2**31, (2, 6), generator=g, dtype=torch.int32)
+    scales = -torch.rand(2, 2, generator=g).half()  # never produced by quantize_groups, but a valid fp16 tensor
+    return codes, scales, torch.randn(2, 2, generator=g).half(), 3, 32, mode
+
+
+@requires_c
+@pytest.mark.parametrize("mode", MODES)
+def test_dequantize_negative_scales_matches_reference(mode):
+    # C++ (group_affine_rt) dropped the sign of every scale; only hybrid reads it (as its asym flag)
+    args = _negative_scale_case(mode)
+    want = reference.dequantize_groups(*args)
+    torch.testing.assert_close(torch.ops.kvkernels.dequantize_groups(*args), want, rtol=1e-6, atol=1e-6)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import kvkernels.triton_kernels as tk
+
+        torch.testing.assert_close(tk.dequantize_groups(*args), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="Triton needs a GPU or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_dequantize_strided_codes(mode):
+    # the Triton wrapper read codes with a non-unit last stride as if it were 1: silently wrong values
+    import kvkernels.triton_kernels as tk
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codes, scales, zeros, bits, G, _ = _negative_scale_case(mode)
+    codes = codes.t().contiguous().t()  # same words, strides (1, 2)
+    want = reference.dequantize_groups(codes, scales, zeros, bits, G, mode)
+    got = tk.dequantize_groups(codes.to(dev), scales.to(dev), zeros.to(dev), bits, G, mode)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+@requires_c
+@pytest.mark.parametrize("which", ["scales", "zeros"])
+def test_dequantize_strided_group_params_rejected_everywhere(which):
+    # C++ accepted a non-unit last stride in scales/zeros where the fakes (kvkernels/_validate.py) rejected it
+    codes, scales, zeros, bits, G, mode = _negative_scale_case("asym")
+    t = {"scales": scales, "zeros": zeros}
+    t[which] = t[which].t().contiguous().t()  # same values, strides (1, 2)
+    args = (codes, t["scales"], t["zeros"], bits, G, mode)
+    for call in (args, tuple(_meta(a) if isinstance(a, torch.Tensor) else a for a in args)):
+        with pytest.raises(ValueError, match=f"{which} must have stride 1 in its last dim"):
+            torch.ops.kvkernels.dequantize_groups(*call)
+
+
+def _quant_into_args():
+    x = torch.randn(4, 64)
+    return [x, 3, 32, "asym", 0.0, torch.empty(4, 6, dtype=torch.int32), *torch.empty(2, 4, 2).half().unbind(0)]
+
+
+@requires_c
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize(
+    "op, position, name",
+    [
+        ("pack_bits", 0, "codes"),
+        ("unpack_bits", 0, "packed"),
+        ("quantize_groups", 0, "x"),
+        ("quantize_groups_into", 0, "x"),
+        ("quantize_groups_into", 5, "codes"),
+        ("quantize_groups_into", 7, "zeros"),
+        ("dequantize_groups", 1, "scales"),
+        ("gemv_inner_q", 1, "codes"),
+        ("gemv_kivi", 3, "zeros"),
+    ],
+)
+def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
+    # the dispatcher passes None as an undefined tensor: the C++ ops failed with "Unimplemented scalar type",
+    # the Python kernels and fakes with an AttributeError, and a second tensor-less call ran no check at all
+    x, bits, G, mode, eta, codes, scales, zeros = _quant_into_args()
+    gx = torch.randn(1, 2, 64)
+    gemv_codes = torch.zeros(1, 1, 64, 6, dtype=torch.int32)
+    gemv_scales = torch.ones(1, 1, 64, 2).half()
+    calls = {
+        "pack_bits": [codes, bits],
+        "unpack_bits": [codes, bits],
+        "quantize_groups": [x, bits, G, mode, eta],
+        "quantize_groups_into": [x, bits, G, mode, eta, codes, scales, zeros],
+        "dequantize_groups": [codes, scales, zeros, bits, G, mode],
+        "gemv_inner_q": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G, mode, None],
+        "gemv_kivi": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G],
+    }
+    args = [(_meta(a) if device == "meta" else a) if isinstance(a, torch.Tensor) else a for a in calls[op]]
+    args[position] = None
+    if not any(isinstance(a, torch.Tensor) for a in args):  # no tensor left: the dispatcher itself refuses
+        with pytest.raises(NotImplementedError, match=op):
+            getattr(torch.ops.kvkernels, op)(*args)
+        return
+    with pytest.raises(TypeError, match=f"kvkernels.{op}: {name} must be a tensor, got None"):
+        getattr(torch.ops.kvkernels, op)(*args)
+
+
+@requires_c
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize(
+    "which, view",
+    [
+        ("codes", lambda t: t[:1].expand(4, 6)),  # stride 0: four rows, one buffer row
+        ("scales", lambda t: torch.empty(8, dtype=t.dtype).as_strided((4, 2), (1, 1))),  # rows 1 apart, 2 long
+        ("zeros", lambda t: t[:1].expand(4, 2)),
+    ],
+)
+def test_quantize_into_rejects_self_overlapping_outputs(which, view, device):
+    # an expand()ed output: C++ failed inside copy_ with torch's message, the fakes accepted it, and the Triton
+    # and CUDA kernels would race on the shared words
+    x, bits, G, mode, eta, codes, scales, zeros = _quant_into_args()
+    outs = {"codes": codes, "scales": scales, "zeros": zeros}
+    outs[which] = view(outs[which])
+    args = [x, bits, G, mode, eta, outs["codes"], outs["scales"], outs["zeros"]]
+    args = [(_meta(a) if device == "meta" else a) if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises(ValueError, match=f"{which} must not overlap itself"):
+        torch.ops.kvkernels.quantize_groups_into(*args)
+
+
+@requires_c
+def test_quantize_into_accepts_permuted_and_padded_outputs():
+    # the overlap rule must not reject legitimate layouts: a permuted cache block and padded rows
+    x = torch.randn(2, 3, 64)
+    codes = torch.empty(3, 2, 8, dtype=torch.int32)[..., :6].transpose(0, 1)  # [2, 3, 6], rows padded to 8
+    scales = torch.empty(3, 2, 2).half().transpose(0, 1)
+    zeros = torch.empty(2, 3, 5).half()[..., 1:3]
+    torch.ops.kvkernels.quantize_groups_into(x, 3, 32, "asym", 0.0, codes, scales, zeros)
+    want = reference.quantize_groups(x, 3, 32, "asym")
+    for got, w in zip((codes, scales, zeros), want, strict=True):
+        assert torch.equal(got, w)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", required=True, choices=sorted(CASES))
+    parser.add_argument("--examples", type=int, default=EXAMPLES)
+    parser.add_argument("--trace", help="file to hold the case in flight")
+    parser.add_argument("--seed", type=int, help="other cases than CI's (which runs derandomized), for longer hunts")
+    parser.add_argument(
+        "--backend",
+        choices=["cpu", "triton"],
+        default="cpu",
+        help="triton: the Triton kernels (TRITON_INTERPRET=1 on CPU; about 0.3 s a call, so not in CI)",
+    )
+    cli = parser.parse_args()
+    sys.exit(worker(cli.worker, cli.examples, cli.trace, cli.seed, cli.backend))
