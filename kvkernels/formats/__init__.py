@@ -1,6 +1,6 @@
 """KV cache formats: one module per format behind one protocol (kvkernels.formats.base.Format), and their registry.
 
-Each format module (innerq.py, kivi.py) holds its config dataclass, its layer cache (a QuantizedLayerCache
+Each format module (innerq.py, kivi.py, xquant.py) holds its config dataclass, its layer cache (a QuantizedLayerCache
 subclass: stores, append rules, the two attention hooks) and a Format instance naming them; the registry below
 maps format names, config types and preset names to formats. Attention, the model-level cache, the demo, the
 bench and the transformers integration go through the registry and never name a format, so a new format is one
@@ -9,16 +9,17 @@ module (+ its kernels and tests) and one `register` line (docs/ARCHITECTURE.md, 
     format_of(config)        the Format of a config instance (TypeError for an unregistered type)
     preset_format(name)      the Format of a preset name (ValueError for an unknown name)
     make_layer_cache(config, batch, num_kv_heads, head_dim, ...)   format_of(config).make_layer_cache(...)
-    effective_bits(config)   format_of(config).effective_bits(config)
+    effective_bits(config, num_layers=None)   format_of(config).effective_bits(config, num_layers)
     PRESETS                  every registered format's presets, in registration order
 """
 
 import torch
 
-from . import innerq, kivi
+from . import innerq, kivi, xquant
 from .base import MODES, SUPPORTED_BITS, EffectiveBits, Format, QuantizedLayerCache, QuantStore, stores_zeros
 from .innerq import InnerQConfig, InnerQLayerCache
 from .kivi import KIVIConfig, KIVILayerCache
+from .xquant import XQuantConfig, XQuantLayerCache
 
 _FORMATS: dict[str, Format] = {}
 PRESETS: dict = {}
@@ -88,17 +89,19 @@ def make_layer_cache(
     return format_of(config).make_layer_cache(config, batch, num_kv_heads, head_dim, capacity, device, dtype, **options)
 
 
-def effective_bits(config) -> EffectiveBits:
-    """Bits per quantized key/value including fp16 group metadata; windows reported separately.
+def effective_bits(config, num_layers: int | None = None) -> EffectiveBits:
+    """Bits per quantized key/value including fp16 group metadata, averaged over a num_layers-layer model's layers
+    (it matters for cross-layer formats only; None: the format's reference depth); windows reported separately.
 
     Example (G=32, any head_dim): innerq_base K 3.5 / V 3.5; innerq_small 3.5 / 2.5; innerq_hybrid 3.5 / 3.0;
     innerq_asym4 5.0 / 5.0; innerq_asym1_eta 2.0 / 2.0; kivi2 3.0 / 3.0; kivi4 5.0 / 5.0; kivi1_eta 2.0 / 2.0.
     """
-    return format_of(config).effective_bits(config)
+    return format_of(config).effective_bits(config, num_layers)
 
 
 register(innerq.FORMAT)
 register(kivi.FORMAT)
+register(xquant.FORMAT)
 
 __all__ = [
     "MODES",
@@ -112,6 +115,8 @@ __all__ = [
     "KIVILayerCache",
     "QuantStore",
     "QuantizedLayerCache",
+    "XQuantConfig",
+    "XQuantLayerCache",
     "effective_bits",
     "format_of",
     "all_formats",
