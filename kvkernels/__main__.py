@@ -3,13 +3,14 @@
 Commands:
   bench     sweep the decode-attention GEMVs over methods and backends (kvkernels.bench; --help for options)
   demo      run kvkernels.demo
+  eval      perplexity of each KV format on a trained decoder LM over real text (kvkernels.quality; --help)
   backends  print which backends can run here
 """
 
 import importlib.util
 import sys
 
-COMMANDS = ("bench", "demo", "backends")
+COMMANDS = ("bench", "demo", "eval", "backends")
 
 
 def _usage() -> str:
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvkernels import demo
 
         return demo.main(rest) or 0
+    if cmd == "eval":
+        from kvkernels import quality
+
+        return quality.main(rest)
     if cmd == "backends":
         import kvkernels
 
