@@ -18,6 +18,12 @@ import torch
 from .formats import format_of
 
 
+def check_num_layers(num_layers) -> None:
+    """A model's layer count: a positive int, or None where it is not known (layers are then added as they come)."""
+    if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1):
+        raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+
+
 class LayerContext:
     """What one layer cache may read of the model it belongs to: its index and the other layers' caches."""
 
@@ -46,10 +52,7 @@ class ModelKVCache:
 
     def __init__(self, config, num_layers: int | None = None, *, capacity: int = 1024, **layer_options):
         self.format = format_of(config)
-        if num_layers is not None and (
-            not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
-        ):
-            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        check_num_layers(num_layers)
         self.config, self.capacity, self.layer_options = config, capacity, layer_options
         self.layers: list = [None] * (num_layers or 0)
         self._fixed = num_layers is not None

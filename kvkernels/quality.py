@@ -408,23 +408,25 @@ class MethodResult:
     paths: dict[str, int]
 
 
-def _bits(method: str, overrides: dict | None, num_layers: int | None = None) -> tuple[str, float, float]:
-    if method == BASELINE:
-        return "fp16", 16.0, 16.0
-    from .formats import effective_bits, format_of
-    from .integrations.transformers import method_config
-
-    cfg = method_config(method, **(overrides or {}))
-    eb = effective_bits(cfg, num_layers)  # a cross-layer format's layers differ: average over this model's
-    return format_of(cfg).name, eb.key, eb.value
-
-
-def _describe(method: str, overrides: dict | None) -> str:
+def _format_and_config(method: str, overrides: dict | None):
     from .formats import format_of
     from .integrations.transformers import method_config
 
     cfg = method_config(method, **(overrides or {}))
-    return format_of(cfg).describe(cfg)
+    return format_of(cfg), cfg
+
+
+def _bits(method: str, overrides: dict | None, num_layers: int | None = None) -> tuple[str, float, float]:
+    if method == BASELINE:
+        return "fp16", 16.0, 16.0
+    fmt, cfg = _format_and_config(method, overrides)
+    eb = fmt.effective_bits(cfg, num_layers)  # a cross-layer format's layers differ: average over this model's
+    return fmt.name, eb.key, eb.value
+
+
+def _describe(method: str, overrides: dict | None) -> str:
+    fmt, cfg = _format_and_config(method, overrides)
+    return fmt.describe(cfg)
 
 
 def summarize(

@@ -59,23 +59,6 @@ ETAS = (0.0, 0.0, -0.0, 0.1, 0.25, 0.49)
 BAD_ETAS = (math.nan, -0.1, 0.5, 0.7, 1.0, 2.0, math.inf, -math.inf, 0.25)  # 0.25 is bad with sym/hybrid
 WRONG_PY_TYPES = (None, 2.5, "2", True)
 FLOAT_X = (torch.float16, torch.bfloat16, torch.float32)
-ANY_DTYPE = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.float8_e4m3fn,
-)
 INT_CODE_DTYPES = (
     torch.uint8,
     torch.int8,
@@ -85,6 +68,16 @@ INT_CODE_DTYPES = (
     torch.uint16,
     torch.uint32,
     torch.uint64,
+)
+ANY_DTYPE = (
+    torch.bool,
+    *INT_CODE_DTYPES,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
 )
 FLOAT_VALUES = ("normal", "normal", "wide", "special", "discrete", "constant", "huge", "zeros")
 SCALE_VALUES = ("scale", "scale", "scale", "fp16bits", "special", "zeros")

@@ -83,6 +83,11 @@ def check_eta(eta) -> None:
         raise ValueError(f"eta must be a number in [0, 0.5), got {eta!r}")
 
 
+def check_capacity(capacity) -> None:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+
+
 def stores_zeros(mode: str) -> bool:
     """Whether a mode keeps an fp16 zero point per group (sym's zero is implied, so it is not stored)."""
     check_mode("mode", mode)
@@ -233,8 +238,7 @@ class QuantizedLayerCache:
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         self.format.check_head_dim(config, head_dim)
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        check_capacity(capacity)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         self.config, self.context = config, context

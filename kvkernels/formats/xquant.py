@@ -129,9 +129,10 @@ def layer_plan(config: XQuantConfig, num_layers: int) -> list[tuple[TensorPlan, 
     for layer in range(num_layers):
         pair = []
         for what, q, m in (("key", kq, km), ("value", vq, vm)):
-            bits = 2 if layer < q else 1
+            width = lambda idx, q=q: 2 if idx < q else 1  # noqa: E731  (layers below q are 2-bit)
+            bits = width(layer)
             borrows = layer % 2 == 1 and layer >= m
-            if borrows and (2 if layer - 1 < q else 1) != bits:
+            if borrows and width(layer - 1) != bits:
                 name = "kq" if what == "key" else "vq"
                 raise ValueError(
                     f"xquant: layer {layer} borrows the {what} codes of layer {layer - 1}, but {name}={q} makes them "
@@ -147,13 +148,18 @@ def layer_plan(config: XQuantConfig, num_layers: int) -> list[tuple[TensorPlan, 
     return plans
 
 
+def _plan_for(config: XQuantConfig, num_layers: int | None):
+    # the plan of a num_layers-layer model, or of the reference depth the thresholds are given for
+    return layer_plan(config, num_layers or config.ref_layers or 32)
+
+
 def paper_equivalent_bits(config: XQuantConfig, num_layers: int | None = None) -> float:
     """The paper's equivalent bit width (App. A): code bits per value averaged over layers and K/V, no metadata.
 
     Every layer that owns its codes counts its bits, a borrower 0: a 2-bit shared pair is 1 bit per layer, a
     1-bit shared pair 0.5. kq=30, vq=2, km=32, vm=16 on 32 layers gives 1.375 (the paper's "1.38").
     """
-    plans = layer_plan(config, num_layers or config.ref_layers or 32)
+    plans = _plan_for(config, num_layers)
     owned = sum(p.bits for layer, pair in enumerate(plans) for p in pair if not p.borrows(layer))
     return owned / (2 * len(plans))
 
@@ -161,7 +167,7 @@ def paper_equivalent_bits(config: XQuantConfig, num_layers: int | None = None) -
 def stored_bits(config: XQuantConfig, num_layers: int | None = None) -> tuple[float, float]:
     """(key, value) bits per quantized value actually stored, averaged over layers: each layer's own codes (none for
     a borrower) plus its fp16 zero and scale per group (2 x 16 / G: borrowers keep their own)."""
-    plans = layer_plan(config, num_layers or config.ref_layers or 32)
+    plans = _plan_for(config, num_layers)
     meta = 32.0 / config.group_size
 
     def mean(i: int) -> float:

@@ -102,8 +102,9 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
     )
 
 from .. import ops
-from ..cache import ModelKVCache
+from ..cache import ModelKVCache, check_num_layers
 from ..formats import PRESETS, all_formats, effective_bits, format_of, preset_format
+from ..formats.base import check_capacity
 
 ATTN_IMPLEMENTATION = "kvkernels"
 METHODS = (*PRESETS, "fp16")
@@ -463,12 +464,8 @@ class KVKernelsCache(Cache):
     ):
         self.method = method
         self.format = method_config(method, **overrides)
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
-        if num_layers is not None and (
-            not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
-        ):
-            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
+        check_capacity(capacity)  # checked again by each layer cache, but only at its first update
+        check_num_layers(num_layers)
         text = config.get_text_config(decoder=True) if config is not None else None
         if text is not None:
             # everything the first update inside generate() would find out, found out now
