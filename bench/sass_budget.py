@@ -3,7 +3,8 @@
 For every kernel instantiation in csrc/cuda/gemv_*.cu this compiles the file for sm_90 and sm_87 (the setup.py
 flags), finds the steady-state loop in the SASS (the innermost loop with the most HMMA, else the most LDG),
 counts its instructions by class and divides by the compulsory bytes one iteration consumes (codes + scales +
-zeros of the rows it covers, from the kernel's tiling, below). The model, per SM and clock:
+zeros of the rows it covers, from the kernel's tiling, below; codes + norms for the lattice GEMVs, whose keys loop is
+the 16-token tile loop, stores included). The model, per SM and clock:
 
     cycles(iteration of one warp) = max(issue / 4, ALU / 2, FMA / fma_rate, MIO / 1, LSU / 1, HMMA / hmma_rate)
 
@@ -43,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["-std=c++17", "-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas", "-v"]
-SOURCES = ("gemv_inner_q.cu", "gemv_kivi.cu")
+SOURCES = ("gemv_inner_q.cu", "gemv_kivi.cu", "gemv_lattice.cu")
 
 # ---- machine model --------------------------------------------------------------------------------------------------
 # warp instructions per clock per SM, by pipe; bandwidth as bytes per clock per SM
@@ -319,6 +320,9 @@ class Spec:
     vec: bool
     cpl: int = 0  # KIVI: columns per lane
     threads: int = 256
+    dim: int = 0  # lattice: head_dim (keys) or channels per warp (values, DW)
+    group: int = 0  # lattice keys: group size G (a template argument)
+    norms_in_b: bool = False  # lattice values: G = D, the norm multiplies p in B (no HMUL2 in the loop)
 
     @property
     def query_rows(self) -> int:
@@ -326,6 +330,9 @@ class Spec:
 
 
 MODES = {"0": "sym", "1": "asym", "2": "hybrid"}
+# lattice grid kind (kvk::LatticeGrid) -> (name, bits per value)
+LATTICE_GRIDS = {"0": ("EDEN2-16", 2), "1": ("EDEN2-64", 3), "2": ("EDEN2-256", 4), "3": ("EDEN4-256", 2)}
+LATTICE_PRESET_G = 64  # kvkernels.formats.lattice.LatticeConfig's default group size: the values' norm bytes
 
 
 def spec_of(name: str) -> Spec | None:
@@ -335,6 +342,15 @@ def spec_of(name: str) -> Spec | None:
     m = re.search(r"gemv_kivi_kernel<(\d), (\d), (\d+), (true|false)>", name)
     if m:
         return Spec("kivi", int(m.group(1)), "asym", int(m.group(2)), m.group(4) == "true", cpl=int(m.group(3)))
+    m = re.search(r"gemv_lattice_k_kernel<\(kvk::LatticeGrid\)(\d), (\d+), (\d+), (\d)>", name)
+    if m:
+        grid, bits = LATTICE_GRIDS[m.group(1)]
+        return Spec("lattice_k", bits, grid, int(m.group(4)), False, dim=int(m.group(2)), group=int(m.group(3)))
+    m = re.search(r"gemv_lattice_v_kernel<\(kvk::LatticeGrid\)(\d), (\d+), (\d), (true|false)>", name)
+    if m:
+        grid, bits = LATTICE_GRIDS[m.group(1)]
+        nb = m.group(4) == "true"
+        return Spec("lattice_v", bits, grid, int(m.group(3)), False, dim=int(m.group(2)), norms_in_b=nb)
     return None
 
 
@@ -343,6 +359,10 @@ def bytes_per_iteration(s: Spec, group_size: int = 32) -> float:
     if s.family == "inner_q":  # 16 rows x 4 blocks of 32 values; one scale (and zero) per block at G = 32
         params = 2 + (0 if s.mode == "sym" else 2)
         return 16 * 4 * (32 * s.bits / 8 + params * 32 / group_size)
+    if s.family == "lattice_k":  # one 16-token tile: whole rows of D channels, one fp16 norm per group
+        return 16 * (s.dim * s.bits / 8 + 2 * s.dim / s.group)
+    if s.family == "lattice_v":  # one k-step: 16 tokens x the warp's DW channels, their norms (at the preset G)
+        return 16 * (s.dim * s.bits / 8 + 2 * (1 if s.norms_in_b else max(1, s.dim // LATTICE_PRESET_G)))
     cols = 8 * s.cpl  # KIVI: 16 rows (one k-step) x the warp's column tile; scale + zero per group of columns
     return 16 * (cols * s.bits / 8 + 4 * cols / group_size)
 
@@ -375,6 +395,8 @@ PRESET_KIVI = {1, 2, 4}
 # budget drops the row from the gate's list, say so in the commit). Why they are over: at 1 bit the fp16 scale and
 # zero are half of the compulsory bytes, and the decode is still 2 (InnerQ) / 3 (KIVI) instructions per value pair;
 # the InnerQ key tile adds a whole tile's addressing and epilogue to one chunk. Issue 16's note has the next levers.
+# Every lattice instantiation is gated (all grids, head_dims and group sizes; the issue's budget for the lattice
+# GEMVs is the same 10).
 KNOWN_OVER: dict[tuple, float] = {
     # (family, bits, mode, query rows, cols/lane, loop): ceiling
     ("inner_q", 1, "asym", 4, 0, "key tile (L=128)"): 11.5,
@@ -386,10 +408,32 @@ KNOWN_OVER: dict[tuple, float] = {
     ("kivi", 1, "asym", 4, 8, "steady state"): 13.3,
     ("kivi", 1, "asym", 8, 8, "steady state"): 14.9,
     ("kivi", 2, "asym", 8, 8, "steady state"): 10.3,
+    # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
+    # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
+    # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2
+    # bits); EDEN2-64's 6-bit indices cost 2.5 ALU per lookup (the 16th index is gathered from three words), and
+    # values pay one PRMT per A register to put two tokens in it (a looked-up half2 holds two channels of one token).
+    # SmolLM2 (head_dim 64, GQA 3) decodes at 4 query rows, inside the budget.
+    ("lattice_k", "EDEN2-16", 8, 64, 32, False, "steady state"): 10.8,
+    ("lattice_k", "EDEN2-16", 8, 64, 64, False, "steady state"): 11.0,
+    ("lattice_k", "EDEN4-256", 8, 64, 32, False, "steady state"): 10.8,
+    ("lattice_k", "EDEN4-256", 8, 64, 64, False, "steady state"): 11.0,
+    ("lattice_k", "EDEN2-64", 8, 64, 32, False, "steady state"): 10.7,
+    ("lattice_k", "EDEN2-64", 8, 64, 64, False, "steady state"): 11.0,
+    ("lattice_v", "EDEN2-16", 8, 64, 0, False, "steady state"): 10.3,
+    ("lattice_v", "EDEN4-256", 8, 64, 0, False, "steady state"): 11.2,
+    ("lattice_v", "EDEN4-256", 8, 64, 0, True, "steady state"): 10.3,
+    ("lattice_v", "EDEN2-64", 4, 64, 0, False, "steady state"): 10.4,
+    ("lattice_v", "EDEN2-64", 4, 64, 0, True, "steady state"): 10.1,
+    ("lattice_v", "EDEN2-64", 8, 64, 0, False, "steady state"): 10.9,
+    ("lattice_v", "EDEN2-64", 8, 64, 0, True, "steady state"): 10.6,
+    ("lattice_v", "EDEN2-64", 8, 128, 0, False, "steady state"): 10.5,
 }
 
 
 def row_key(r: Row) -> tuple:
+    if r.spec.family.startswith("lattice"):  # mode = grid name; dim = head_dim (keys) / channels per warp (values)
+        return (r.spec.family, r.spec.mode, r.spec.query_rows, r.spec.dim, r.spec.group, r.spec.norms_in_b, r.what)
     return (r.spec.family, r.spec.bits, r.spec.mode, r.spec.query_rows, r.spec.cpl, r.what)
 
 
@@ -403,6 +447,8 @@ def is_preset(s: Spec, arch: str) -> bool:
         return False
     if s.family == "inner_q":
         return (s.bits, s.mode) in PRESET_INNER_Q and (s.vec or s.bits == 4)
+    if s.family.startswith("lattice"):  # every grid, head_dim and group size (issue: <= 10 for the lattice GEMVs)
+        return True
     return s.bits in PRESET_KIVI and (s.vec or not kivi_has_vec(s))
 
 
@@ -432,7 +478,7 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
 
 def table(rows: list[Row]) -> str:
     head = (
-        "| kernel | bits | mode | query rows | sm | loop | regs | CTAs/SM | instr/iter | bytes/iter | "
+        "| kernel | bits | mode / grid | query rows | sm | loop | regs | CTAs/SM | instr/iter | bytes/iter | "
         "instr/byte | weighted | bound by | modelled % of copy BW | preset |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
@@ -447,12 +493,20 @@ def table(rows: list[Row]) -> str:
             r.spec.ntiles,
             not r.spec.vec,
             r.spec.cpl,
+            r.spec.dim,
+            r.spec.group,
+            r.spec.norms_in_b,
             r.what,
         ),
     ):
         s = r.spec
-        fam = "gemv_inner_q" if s.family == "inner_q" else f"gemv_kivi (cols/lane {s.cpl})"
-        narrow = not s.vec and (s.bits != 4 if s.family == "inner_q" else kivi_has_vec(s))
+        if s.family == "lattice_k":
+            fam = f"gemv_lattice_k (D {s.dim}, G {s.group})"
+        elif s.family == "lattice_v":
+            fam = f"gemv_lattice_v (channels/warp {s.dim}{', G = D' if s.norms_in_b else ''})"
+        else:
+            fam = "gemv_inner_q" if s.family == "inner_q" else f"gemv_kivi (cols/lane {s.cpl})"
+        narrow = not s.vec and (s.bits != 4 if s.family == "inner_q" else s.family == "kivi" and kivi_has_vec(s))
         fam += ", 32-bit loads" if narrow else ""
         lines.append(
             f"| {fam} | {s.bits} | {s.mode} | {s.query_rows} | {r.arch} | {r.what} | {r.regs}"

@@ -40,4 +40,24 @@ TORCH_LIBRARY(kvkernels, m) {
   // x [B, H_q, R] or [B, H_q, T, R]; codes int32 [B, H_kv, R, C*bits/32]; scales/zeros fp16 [B, H_kv, R, C/G].
   // Returns fp32 [B, H_q, (T,) C].
   m.def("gemv_kivi(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, int group_size) -> Tensor");
+
+  // Lattice (HIGGS-style) format, docs/FORMATS.md "Lattice". grid: fp32 [n, d], (d, n) in {(2,16), (2,64), (2,256),
+  // (4,256)}, bits = log2(n) / d; group_size G: power of two in [32, 1024]; signs: None or int8 [G] of +-1.
+  // Orthonormal Walsh-Hadamard transform of each group of G along the last dim (inverse: signs applied after). fp32.
+  m.def("fwht(Tensor x, int group_size, Tensor? signs=None, bool inverse=False) -> Tensor");
+  // x [..., C] -> (codes int32 [..., C*bits/32], norms fp16 [..., C/G]): rotate, divide by the group RMS, nearest
+  // grid point per d-vector (first on ties).
+  m.def("lattice_quantize(Tensor x, Tensor grid, int group_size, Tensor? signs=None) -> (Tensor, Tensor)");
+  // Inverse of lattice_quantize: fp32 [..., C].
+  m.def("lattice_dequantize(Tensor codes, Tensor norms, Tensor grid, int group_size, Tensor? signs=None) -> Tensor");
+  // Keys: scores[b, h, t, n] = q[b, h, t] . deq(codes[b, h_kv, n]), scored on the codes after rotating q.
+  // q [B, H_q, D] or [B, H_q, T, D]; codes int32 [B, H_kv, N, D*bits/32]; norms fp16 [B, H_kv, N, D/G]. fp32.
+  m.def(
+      "gemv_lattice_k(Tensor q, Tensor codes, Tensor norms, Tensor grid, int group_size, Tensor? signs=None) -> "
+      "Tensor");
+  // Values: out[b, h, t] = sum_n p[b, h, t, n] * deq(codes[b, h_kv, n]), reduced in the rotated domain, one inverse
+  // transform per row. p [B, H_q, N] or [B, H_q, T, N]; codes/norms as gemv_lattice_k. fp32 [B, H_q, (T,) D].
+  m.def(
+      "gemv_lattice_v(Tensor p, Tensor codes, Tensor norms, Tensor grid, int group_size, Tensor? signs=None) -> "
+      "Tensor");
 }

@@ -63,20 +63,20 @@ def check_same_device(op: str, **tensors) -> None:
         _fail(op, f"all tensors must be on one device, got {devices}")
 
 
-def _check_x(op: str, x: torch.Tensor) -> None:
+def _check_x(op: str, x: torch.Tensor, name: str = "x", last: str = "L") -> None:
     if x.dim() not in (3, 4):
-        _fail(op, f"x must be [B, H_q, L] or [B, H_q, T, L], got shape {list(x.shape)}")
-    check_dtype(op, "x", x, FLOAT_ACTIVATIONS)
-    check_last_dim_contiguous(op, "x", x)
+        _fail(op, f"{name} must be [B, H_q, {last}] or [B, H_q, T, {last}], got shape {list(x.shape)}")
+    check_dtype(op, name, x, FLOAT_ACTIVATIONS)
+    check_last_dim_contiguous(op, name, x)
 
 
-def _check_kv_heads(op: str, x: torch.Tensor, codes: torch.Tensor) -> None:
+def _check_kv_heads(op: str, x: torch.Tensor, codes: torch.Tensor, name: str = "x") -> None:
     if codes.dim() != 4:
         _fail(op, f"codes must be 4-D [B, H_kv, rows, words], got shape {list(codes.shape)}")
     check_dtype(op, "codes", codes, torch.int32)
     check_last_dim_contiguous(op, "codes", codes)
     if codes.shape[0] != x.shape[0]:
-        _fail(op, f"codes batch {codes.shape[0]} != x batch {x.shape[0]}")
+        _fail(op, f"codes batch {codes.shape[0]} != {name} batch {x.shape[0]}")
     if codes.shape[1] == 0 or x.shape[1] % codes.shape[1]:
         _fail(op, f"query heads H_q={x.shape[1]} must be a multiple of KV heads H_kv={codes.shape[1]}")
 
@@ -256,3 +256,150 @@ def check_unpack(packed, bits) -> None:
     check_dtype(op, "packed", packed, torch.int32)
     if packed.dim() < 1 or packed.shape[-1] % bits:
         _fail(op, f"packed last dim must be a multiple of bits={bits}, got shape {list(packed.shape)}")
+
+
+# ---- lattice (HIGGS-style) ops: docs/FORMATS.md "Lattice" ---------------------------------------------------------
+
+LATTICE_GRIDS = {(2, 16): 2, (2, 64): 3, (2, 256): 4, (4, 256): 2}  # grid (d, n) -> bits per value, log2(n) / d
+LATTICE_GROUP_RANGE = (32, 1024)  # group_size: a power of two in this range (the Hadamard block)
+
+
+def check_lattice_grid(op: str, grid) -> int:
+    """grid is fp32 [n, d] with (d, n) in LATTICE_GRIDS; returns bits per value (what sizes every other argument)."""
+    check_tensors(op, grid=grid)
+    check_dtype(op, "grid", grid, torch.float32)
+    shapes = [[n, d] for d, n in LATTICE_GRIDS]
+    # int(): under torch.compile's dynamic shapes a size is a SymInt, which cannot be hashed (this specializes it)
+    d_n = (int(grid.shape[1]), int(grid.shape[0])) if grid.dim() == 2 else None
+    if d_n not in LATTICE_GRIDS:
+        _fail(op, f"grid must be [n, d] with [n, d] one of {shapes}, got shape {list(grid.shape)}")
+    check_last_dim_contiguous(op, "grid", grid)
+    return LATTICE_GRIDS[d_n]
+
+
+def check_lattice_group_size(op: str, group_size: int, length: int, what: str) -> None:
+    lo, hi = LATTICE_GROUP_RANGE
+    if not isinstance(group_size, int | torch.SymInt) or not lo <= group_size <= hi or group_size & (group_size - 1):
+        _fail(op, f"group_size must be a power of two in [{lo}, {hi}], got {group_size}")
+    if length % group_size:
+        _fail(op, f"{what}={length} must be a multiple of group_size={group_size}")
+
+
+def check_signs(op: str, signs, group_size: int) -> None:
+    """signs: None or int8 [group_size] (values +-1: check_signs_values, which syncs)."""
+    if signs is None:
+        return
+    check_tensors(op, signs=signs)
+    check_dtype(op, "signs", signs, torch.int8)
+    check_shape(op, "signs", signs, (group_size,))
+    check_last_dim_contiguous(op, "signs", signs)
+
+
+def _check_norms_signs(op: str, norms, expected: tuple, signs, group_size: int) -> None:
+    # the per-group side inputs of every op that reads codes: fp16 norms of the given shape, optional signs
+    check_dtype(op, "norms", norms, torch.float16)
+    check_shape(op, "norms", norms, expected)
+    check_last_dim_contiguous(op, "norms", norms)
+    check_signs(op, signs, group_size)
+
+
+def _check_lattice_rows(op: str, x, group_size: int, signs) -> None:
+    # x [..., C] of values to rotate / quantize in groups of group_size
+    check_dtype(op, "x", x, FLOAT_ACTIVATIONS)
+    if x.dim() < 1:
+        _fail(op, "x must have at least one dim")
+    check_last_dim_contiguous(op, "x", x)
+    check_lattice_group_size(op, group_size, x.shape[-1], "x.shape[-1]")
+    check_signs(op, signs, group_size)
+
+
+def _check_lattice_gemv(op: str, name: str, x, last: str, codes, norms, grid) -> int:
+    # a GEMV's activations `name` [B, H_q, (T,) last] against codes [B, H_kv, N, W]; returns bits per value
+    check_tensors(op, **{name: x}, codes=codes, norms=norms)
+    bits = check_lattice_grid(op, grid)
+    _check_x(op, x, name, last)
+    _check_kv_heads(op, x, codes, name)
+    return bits
+
+
+def check_fwht(x, group_size, signs=None, inverse=False) -> None:
+    op = "fwht"
+    check_tensors(op, x=x)
+    _check_lattice_rows(op, x, group_size, signs)
+    check_same_device(op, x=x, signs=signs)
+
+
+def check_lattice_quantize(x, grid, group_size, signs=None) -> None:
+    op = "lattice_quantize"
+    check_tensors(op, x=x)
+    check_lattice_grid(op, grid)
+    _check_lattice_rows(op, x, group_size, signs)
+    check_same_device(op, x=x, grid=grid, signs=signs)
+
+
+def check_lattice_dequantize(codes, norms, grid, group_size, signs=None) -> None:
+    op = "lattice_dequantize"
+    check_tensors(op, codes=codes, norms=norms)
+    bits = check_lattice_grid(op, grid)
+    check_dtype(op, "codes", codes, torch.int32)
+    if codes.dim() < 1 or codes.shape[-1] % bits:
+        _fail(op, f"codes last dim must be a multiple of bits={bits}, got shape {list(codes.shape)}")
+    check_last_dim_contiguous(op, "codes", codes)
+    C = codes.shape[-1] // bits * BLOCK
+    check_lattice_group_size(op, group_size, C, "C (values per row)")
+    _check_norms_signs(op, norms, (*codes.shape[:-1], C // group_size), signs, group_size)
+    check_same_device(op, codes=codes, norms=norms, grid=grid, signs=signs)
+
+
+def check_gemv_lattice_k(q, codes, norms, grid, group_size, signs=None) -> None:
+    op = "gemv_lattice_k"
+    bits = _check_lattice_gemv(op, "q", q, "D", codes, norms, grid)
+    B, H_kv, N, W = codes.shape
+    D = q.shape[-1]
+    check_lattice_group_size(op, group_size, D, "q.shape[-1] (D)")
+    if W != D // BLOCK * bits:
+        _fail(op, f"codes must hold D*bits/32 = {D // BLOCK * bits} words per row for D={D}, got {W}")
+    _check_norms_signs(op, norms, (B, H_kv, N, D // group_size), signs, group_size)
+    check_same_device(op, q=q, codes=codes, norms=norms, grid=grid, signs=signs)
+
+
+def check_gemv_lattice_v(p, codes, norms, grid, group_size, signs=None) -> None:
+    op = "gemv_lattice_v"
+    bits = _check_lattice_gemv(op, "p", p, "N", codes, norms, grid)
+    B, H_kv, N, W = codes.shape
+    if N != p.shape[-1]:
+        _fail(op, f"codes tokens N={N} must equal p.shape[-1]={p.shape[-1]}")
+    if W % bits:
+        _fail(op, f"codes last dim {W} must be a multiple of bits={bits}")
+    D = W // bits * BLOCK
+    check_lattice_group_size(op, group_size, D, "D (values per token)")
+    _check_norms_signs(op, norms, (B, H_kv, N, D // group_size), signs, group_size)
+    check_same_device(op, p=p, codes=codes, norms=norms, grid=grid, signs=signs)
+
+
+def check_signs_values(op: str, signs) -> None:
+    """Every sign is +1 or -1 (one device sync). The ops multiply by what signs hold: a 0 would zero a channel."""
+    if signs is None or not signs.numel():
+        return
+    bad = (signs != 1) & (signs != -1)
+    if bool(bad.any()):
+        _fail(op, f"signs must hold only +1 and -1, got {sorted(set(signs[bad].tolist()))[:5]}")
+
+
+def check_lattice_values(op: str, x: torch.Tensor, group_size: int) -> None:
+    """Reject x with NaN/Inf, or a group whose RMS would overflow the fp16 norm (one device sync; chunked as
+    check_values). Without this check such a group stores a NaN/Inf norm and index 0 (FORMATS.md NaN policy)."""
+    if not x.numel():
+        return
+    worst_abs = worst_rms = None
+    for part in _leading_chunks(x.detach(), VALUE_CHECK_CHUNK):
+        xg = part.unflatten(-1, (-1, group_size)).float()
+        part_abs = xg.abs().amax()  # NaN propagates through amax
+        part_rms = (xg.square().mean(-1)).sqrt().amax()
+        worst_abs = part_abs if worst_abs is None else torch.maximum(worst_abs, part_abs)
+        worst_rms = part_rms if worst_rms is None else torch.maximum(worst_rms, part_rms)
+    worst_abs, worst_rms = float(worst_abs), float(worst_rms)
+    if worst_abs != worst_abs or worst_abs == float("inf"):
+        _fail(op, "x contains NaN or Inf; quantizing it would poison its group's norm")
+    if worst_rms > FP16_SCALE_LIMIT:
+        _fail(op, f"a group's RMS reaches {worst_rms:.3g}; norms are fp16 and must stay below {FP16_SCALE_LIMIT:g}")

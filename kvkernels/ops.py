@@ -24,6 +24,11 @@ OPS = (
     "dequantize_groups",
     "gemv_inner_q",
     "gemv_kivi",
+    "fwht",
+    "lattice_quantize",
+    "lattice_dequantize",
+    "gemv_lattice_k",
+    "gemv_lattice_v",
 )
 
 
@@ -37,6 +42,11 @@ _CHECKS = {
     "dequantize_groups": V.check_dequantize,
     "gemv_inner_q": V.check_gemv_inner_q,
     "gemv_kivi": V.check_gemv_kivi,
+    "fwht": V.check_fwht,
+    "lattice_quantize": V.check_lattice_quantize,
+    "lattice_dequantize": V.check_lattice_dequantize,
+    "gemv_lattice_k": V.check_gemv_lattice_k,
+    "gemv_lattice_v": V.check_gemv_lattice_v,
 }
 
 
@@ -129,6 +139,31 @@ def _register_fakes() -> None:
     @fake("gemv_kivi")
     def _(x, codes, scales, zeros, bits, group_size):
         return x.new_empty((*x.shape[:-1], codes.shape[-1] // bits * 32), dtype=torch.float32)
+
+    def lattice_bits(grid):  # grid [n, d], already validated
+        return V.check_lattice_grid("lattice", grid)
+
+    @fake("fwht")
+    def _(x, group_size, signs=None, inverse=False):
+        return x.new_empty(x.shape, dtype=torch.float32)
+
+    @fake("lattice_quantize")
+    def _(x, grid, group_size, signs=None):
+        lead, C = x.shape[:-1], x.shape[-1]
+        codes = x.new_empty((*lead, C // 32 * lattice_bits(grid)), dtype=torch.int32)
+        return codes, x.new_empty((*lead, C // group_size), dtype=torch.float16)
+
+    @fake("lattice_dequantize")
+    def _(codes, norms, grid, group_size, signs=None):
+        return codes.new_empty((*codes.shape[:-1], codes.shape[-1] // lattice_bits(grid) * 32), dtype=torch.float32)
+
+    @fake("gemv_lattice_k")
+    def _(q, codes, norms, grid, group_size, signs=None):
+        return q.new_empty((*q.shape[:-1], codes.shape[2]), dtype=torch.float32)
+
+    @fake("gemv_lattice_v")
+    def _(p, codes, norms, grid, group_size, signs=None):
+        return p.new_empty((*p.shape[:-1], codes.shape[-1] // lattice_bits(grid) * 32), dtype=torch.float32)
 
 
 if HAS_C:
@@ -235,3 +270,110 @@ def gemv_kivi(
     require_c("gemv_kivi")
     V.check_gemv_kivi(x, codes, scales, zeros, bits, group_size)
     return torch.ops.kvkernels.gemv_kivi.default(x, codes, scales, zeros, bits, group_size)
+
+
+# Lattice (HIGGS-style) ops, docs/FORMATS.md "Lattice". grid: fp32 [n, d] (kvkernels.formats.lattice_grids.grid);
+# group_size G: a power of two in [32, 1024]; signs: None or int8 [G] of +-1. check_values checks signs (and x for
+# lattice_quantize) with one device sync: on by default where the op is not on the decode path.
+
+
+def fwht(
+    x: torch.Tensor,
+    group_size: int,
+    signs: torch.Tensor | None = None,
+    inverse: bool = False,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of each group of G values along the last dim, fp32 [..., C].
+
+    y = H_n (s * x_g) with H_n = H / sqrt(G) (Sylvester order, symmetric, its own inverse); inverse=True computes
+    x_g = s * (H_n y). check_values=True verifies that signs are +-1 (one device sync).
+    """
+    require_c("fwht")
+    V.check_fwht(x, group_size, signs, inverse)
+    if check_values:
+        V.check_signs_values("fwht", signs)
+    return torch.ops.kvkernels.fwht.default(x, group_size, signs, bool(inverse))
+
+
+def lattice_quantize(
+    x: torch.Tensor,
+    grid: torch.Tensor,
+    group_size: int,
+    signs: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lattice-quantize x [..., C] in groups of G: (codes int32 [..., C*bits/32], norms fp16 [..., C/G]).
+
+    Per group: y = H_n (s * x_g), r = ||x_g|| / sqrt(G) (stored fp16), and each d-vector of y / r replaced by the
+    index of its nearest grid row (first on ties); bits = log2(n) / d per value. check_values=True rejects NaN/Inf,
+    a group RMS beyond fp16's range and signs other than +-1 (one device sync); with False a non-finite group stores
+    a NaN/Inf norm and index 0, every other group is unaffected.
+    """
+    require_c("lattice_quantize")
+    V.check_lattice_quantize(x, grid, group_size, signs)
+    if check_values:
+        V.check_lattice_values("lattice_quantize", x, group_size)
+        V.check_signs_values("lattice_quantize", signs)
+    return torch.ops.kvkernels.lattice_quantize.default(x, grid, group_size, signs)
+
+
+def lattice_dequantize(
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    grid: torch.Tensor,
+    group_size: int,
+    signs: torch.Tensor | None = None,
+    check_values: bool = False,
+) -> torch.Tensor:
+    """Inverse of lattice_quantize: x_hat_g = s * H_n (r16 * grid[c]), fp32 [..., C] from codes [..., C*bits/32] and
+    norms fp16 [..., C/G]. No sync unless check_values (signs +-1)."""
+    require_c("lattice_dequantize")
+    V.check_lattice_dequantize(codes, norms, grid, group_size, signs)
+    if check_values:
+        V.check_signs_values("lattice_dequantize", signs)
+    return torch.ops.kvkernels.lattice_dequantize.default(codes, norms, grid, group_size, signs)
+
+
+def gemv_lattice_k(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    grid: torch.Tensor,
+    group_size: int,
+    signs: torch.Tensor | None = None,
+    check_values: bool = False,
+) -> torch.Tensor:
+    """Key scores on lattice codes: scores[b,h,(t),n] = q[b,h,(t)] . x_hat[b,h_kv,n], h_kv = h // (H_q / H_kv).
+
+    Computed as sum_g r16[n,g] <H_n (s * q_g), grid[c_{n,g}]>: each query row is rotated once, no key is
+    dequantized. q [B, H_q, D] or [B, H_q, T, D] fp16/bf16/fp32; codes int32 [B, H_kv, N, D*bits/32]; norms fp16
+    [B, H_kv, N, D/G]; G divides D. Returns fp32 [B, H_q, (T,) N]. No sync unless check_values (signs +-1).
+    """
+    require_c("gemv_lattice_k")
+    V.check_gemv_lattice_k(q, codes, norms, grid, group_size, signs)
+    if check_values:
+        V.check_signs_values("gemv_lattice_k", signs)
+    return torch.ops.kvkernels.gemv_lattice_k.default(q, codes, norms, grid, group_size, signs)
+
+
+def gemv_lattice_v(
+    p: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    grid: torch.Tensor,
+    group_size: int,
+    signs: torch.Tensor | None = None,
+    check_values: bool = False,
+) -> torch.Tensor:
+    """Attention output on lattice codes: out[b,h,(t)] = sum_n p[b,h,(t),n] x_hat[b,h_kv,n], h_kv = h // (H_q / H_kv).
+
+    Computed in the rotated domain, s * H_n (sum_n p[n] r16[n,g] grid[c_{n,g}]) per group: one inverse transform
+    per output row. p [B, H_q, N] or [B, H_q, T, N]; codes int32 [B, H_kv, N, D*bits/32]; norms fp16
+    [B, H_kv, N, D/G]. Returns fp32 [B, H_q, (T,) D] (zeros when N == 0). No sync unless check_values (signs +-1).
+    """
+    require_c("gemv_lattice_v")
+    V.check_gemv_lattice_v(p, codes, norms, grid, group_size, signs)
+    if check_values:
+        V.check_signs_values("gemv_lattice_v", signs)
+    return torch.ops.kvkernels.gemv_lattice_v.default(p, codes, norms, grid, group_size, signs)

@@ -286,6 +286,132 @@ def test_kivi_deterministic():
     )
 
 
+# ---- gemv_lattice_k / gemv_lattice_v ----------------------------------------------------------------------------
+# The contract (csrc/cuda/gemv_lattice.cu): the tensor cores see the grid in fp16 (relative 2^-11 per value); keys apply
+# the fp16 norm in fp32 after the MMA; values with G < D round r16 * grid once more to fp16 (G = D folds the norm into
+# p in fp32). Both are checked at twice that: 2^-10 (keys) / 2^-9 (values) of the magnitude the sum is made of, in the
+# rotated domain where the kernels sum (keys: sum_i |q'_i| |y_i|; values, output channel j of group g:
+# 2^-log2(G)/2 sum_{i in g} sum_n |p_n| |y_{n,i}|), plus an absolute 2^-20 sum |p| for values' subnormal fp16 products.
+LATTICE_GRIDS = {"eden2-16": (2, 16), "eden2-64": (2, 64), "eden2-256": (2, 256), "eden4-256": (4, 256)}
+
+
+def _lattice_store(B, H_kv, N, D, G, d_n, signs, seed):
+    """Random K or V rows [B, H_kv, N, D] quantized with the reference: codes, norms, grid (fp32 [n, d])."""
+    from kvkernels.formats import lattice_grids
+
+    grid = lattice_grids.grid(*d_n)
+    x = torch.randn((B, H_kv, N, D), generator=_gen(seed)) * (1 + torch.rand((B, H_kv, N, 1), generator=_gen(seed + 1)))
+    codes, norms = reference.lattice_quantize(x, grid, G, signs)
+    return codes, norms, grid
+
+
+def _lattice_rotated(codes, norms, grid, G):
+    """y = r16 * grid[c] per group: the rotated dequantized rows [B, H_kv, N, D] the kernels sum over (fp32)."""
+    d, index_bits, _ = reference.lattice.grid_layout(grid)
+    idx = reference.unpack_lattice_indices(codes, index_bits)
+    points = grid[idx].reshape(*codes.shape[:-1], idx.shape[-1] * d)
+    D = points.shape[-1]
+    return (points.reshape(*points.shape[:-1], D // G, G) * norms.float().unsqueeze(-1)).reshape(points.shape)
+
+
+def _lattice_case(values, B, H_q, H_kv, T, N, D, G, d_n, dtype, with_signs, narrow=False, seed=0):
+    signs = (torch.randint(0, 2, (G,), generator=_gen(seed + 7), dtype=torch.int8) * 2 - 1) if with_signs else None
+    codes, norms, grid = _lattice_store(B, H_kv, N, D, G, d_n, signs, seed)
+    L = N if values else D
+    x = torch.randn((B, H_q, L) if T is None else (B, H_q, T, L), generator=_gen(seed + 2)).to(dtype)
+    if values:
+        x = x.float().softmax(-1).to(dtype) if seed % 2 else x  # probabilities, or signed weights
+    x4 = (x if T is not None else x.unsqueeze(2)).float()  # [B, H_q, T, L]
+    y = _lattice_rotated(codes, norms, grid, G).abs().repeat_interleave(H_q // H_kv, 1)  # [B, H_q, N, D]
+    if values:
+        ref = reference.gemv_lattice_v(x, codes, norms, grid, G, signs)
+        mag = (x4.abs() @ y).reshape(B, H_q, -1, D // G, G).sum(-1, keepdim=True) / G**0.5  # per group
+        mag = mag.expand(-1, -1, -1, -1, G).reshape(B, H_q, -1, D)
+        bound = 2.0**-9 * mag + 2.0**-20 * x4.abs().sum(-1, keepdim=True) + 1e-5
+    else:
+        ref = reference.gemv_lattice_k(x, codes, norms, grid, G, signs)
+        q_rot = reference.fwht(x4, G, signs).abs()
+        bound = 2.0**-10 * (q_rot @ y.transpose(-1, -2)) + 1e-5
+    bound = bound if T is not None else bound.squeeze(2)
+    xc, cc, rc, gc, sc = _to_cuda(x, codes, norms, grid, signs)
+    if narrow:  # codes and norms as narrowed views of wider rows (row strides != their length)
+        cc, rc = _to_cuda(codes, norms, narrow=True)
+    op = torch.ops.kvkernels.gemv_lattice_v if values else torch.ops.kvkernels.gemv_lattice_k
+    out = op(xc, cc, rc, gc, G, sc)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    excess = ((out.cpu() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"max excess {excess:.3g}; max err {(out.cpu() - ref).abs().max().item():.3g}"
+    return out
+
+
+def test_compiled_lattice_kernels_serve_cuda():
+    assert kvkernels.ops.CUDA_IMPL["gemv_lattice_k"] == "cuda"
+    assert kvkernels.ops.CUDA_IMPL["gemv_lattice_v"] == "cuda"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("grid", LATTICE_GRIDS.values(), ids=LATTICE_GRIDS.keys())
+@pytest.mark.parametrize("values", [False, True], ids=["keys", "values"])
+def test_lattice_grids_dtypes(values, grid, dtype):
+    _lattice_case(values, 1, 8, 2, None, 301, 128, 64, grid, dtype, with_signs=grid[1] == 64, seed=grid[1])
+
+
+# head_dim 64 / 128 / 256 with G from 32 to D (G = D: values fold the norm into p), GQA 1 to 8, odd token counts, long
+# values rows (split-K with the finish kernel), 16 query rows (two passes of 8)
+LATTICE_SHAPES = {
+    "D64-G64-N77-gqa4-B2": (2, 8, 2, 77, 64, 64),
+    "D64-G32-N1031-gqa1": (1, 4, 4, 1031, 64, 32),
+    "D128-G64-N4097-gqa8": (1, 16, 2, 4097, 128, 64),
+    "D128-G128-N333-gqa2": (1, 4, 2, 333, 128, 128),
+    "D128-G32-N20000-gqa4": (1, 8, 2, 20000, 128, 32),
+    "D256-G256-N130-gqa1-B2": (2, 2, 2, 130, 256, 256),
+    "D256-G32-N1500-gqa8": (1, 8, 1, 1500, 256, 32),
+}
+
+
+@pytest.mark.parametrize("T", [None, 3, 16], ids=lambda t: "T-none" if t is None else f"T{t}")
+@pytest.mark.parametrize("shape", LATTICE_SHAPES.values(), ids=LATTICE_SHAPES.keys())
+@pytest.mark.parametrize("grid", LATTICE_GRIDS.values(), ids=LATTICE_GRIDS.keys())
+@pytest.mark.parametrize("values", [False, True], ids=["keys", "values"])
+def test_lattice_shapes(values, grid, shape, T):
+    B, H_q, H_kv, N, D, G = shape
+    if N > 10000 and T == 16:
+        pytest.skip("large case covered at T <= 3")
+    _lattice_case(values, B, H_q, H_kv, T, N, D, G, grid, torch.float16, with_signs=N % 2 == 1, seed=N + D)
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["contig", "narrowed"])
+@pytest.mark.parametrize("values", [False, True], ids=["keys", "values"])
+def test_lattice_views_and_long_T(values, narrow):
+    # T = 20 > 16: the launcher's T chunks; narrowed codes / norms rows; bf16
+    _lattice_case(values, 1, 4, 2, 20, 200, 128, 64, (2, 64), torch.bfloat16, True, narrow=narrow, seed=5)
+
+
+@pytest.mark.parametrize("values", [False, True], ids=["keys", "values"])
+def test_lattice_deterministic(values):
+    codes, norms, grid = (t.to(DEV) for t in _lattice_store(1, 2, 8192, 128, 64, (2, 16), None, 0))
+    L = 8192 if values else 128
+    x = torch.randn((1, 8, L), device=DEV)
+    op = torch.ops.kvkernels.gemv_lattice_v if values else torch.ops.kvkernels.gemv_lattice_k
+    assert torch.equal(op(x, codes, norms, grid, 64), op(x, codes, norms, grid, 64))
+
+
+def test_lattice_empty_and_errors():
+    codes, norms, grid = (t.to(DEV) for t in _lattice_store(1, 2, 0, 128, 64, (2, 16), None, 0))
+    scores = torch.ops.kvkernels.gemv_lattice_k(torch.randn((1, 4, 128), device=DEV), codes, norms, grid, 64)
+    assert scores.shape == (1, 4, 0)
+    out = torch.ops.kvkernels.gemv_lattice_v(torch.randn((1, 4, 0), device=DEV), codes, norms, grid, 64)
+    assert out.shape == (1, 4, 128) and not out.any()
+    codes, norms, grid = (t.to(DEV) for t in _lattice_store(1, 1, 8, 128, 64, (2, 16), None, 0))
+    q = torch.randn((1, 2, 128), device=DEV)
+    with pytest.raises(ValueError, match="grid must be"):
+        torch.ops.kvkernels.gemv_lattice_k(q, codes, norms, grid[:8], 64)
+    with pytest.raises(ValueError, match="group_size"):
+        torch.ops.kvkernels.gemv_lattice_k(q, codes, norms, grid, 48)
+    with pytest.raises(TypeError, match="signs must be"):
+        torch.ops.kvkernels.gemv_lattice_k(q, codes, norms, grid, 64, torch.ones(64, device=DEV))
+
+
 # ---- storage ops: bit-exact vs the C++ CPU ops ---------------------------------------------------------------
 
 
@@ -375,6 +501,12 @@ def _opcheck_cases():
     qc = torch.empty((2, 3, 8), dtype=torch.int32, device=DEV)
     qs = torch.empty((2, 3, 4), dtype=torch.float16, device=DEV)
     qz = torch.empty((2, 3, 4), dtype=torch.float16, device=DEV)
+    ls = torch.ones(64, dtype=torch.int8)
+    ls[::3] = -1
+    lc, ln, lg = (t.to(DEV) for t in _lattice_store(1, 2, 40, 128, 64, (2, 64), ls, 0))
+    ls = ls.to(DEV)
+    xk4 = torch.randn((1, 4, 3, 128), device=DEV)
+    lp = torch.randn((1, 4, 40), device=DEV, dtype=torch.float16)
     return {
         "gemv_inner_q": (torch.ops.kvkernels.gemv_inner_q.default, (x, codes, scales, zeros, 2, 32, "hybrid", x_scale)),
         "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (xk, kc, ks, kz, 2, 32)),
@@ -389,6 +521,8 @@ def _opcheck_cases():
             (torch.randint(0, 4, (3, 64), device=DEV, dtype=torch.int32), 2),
         ),
         "unpack_bits": (torch.ops.kvkernels.unpack_bits.default, (codes, 2)),
+        "gemv_lattice_k": (torch.ops.kvkernels.gemv_lattice_k.default, (xk4, lc, ln, lg, 64, ls)),
+        "gemv_lattice_v": (torch.ops.kvkernels.gemv_lattice_v.default, (lp, lc, ln, lg, 64, None)),
     }
 
 
@@ -402,6 +536,8 @@ def _opcheck_cases():
         "dequantize_groups",
         "pack_bits",
         "unpack_bits",
+        "gemv_lattice_k",
+        "gemv_lattice_v",
     ],
 )
 def test_opcheck_cuda(name):

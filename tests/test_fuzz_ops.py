@@ -1,17 +1,21 @@
 """Fuzzing every kvkernels op through torch.ops (issue 12): random, mostly invalid, arguments on the CPU registration
 (C++ or the reference) and on the fakes (all tensors on device='meta').
 
-Each case is a consistent call (shapes, dtypes, bits, group size, mode, eta) plus zero to two mutations: a wrong
-dtype, a wrong or empty shape, a non-unit last stride, a tensor on 'meta' among CPU tensors, None for a tensor, bits
-0/5/9/-1, group sizes 0/negative/non-multiples, bad modes, eta NaN/negative/>= 0.5/with sym, Python values of the
-wrong type. Layouts include padded rows, storage offsets, stride-0 (broadcast) leading dims and column-major
-tensors; values include NaN, Inf, huge, subnormal, constant and arbitrary fp16 bit patterns. Every call must end in
-one of two ways:
+Each case is a consistent call (shapes, dtypes, bits, group size, mode, eta; for the lattice ops a grid, signs and
+inverse) plus zero to two mutations: a wrong dtype, a wrong or empty shape, a non-unit last stride, a tensor on
+'meta' among CPU tensors, None for a tensor, bits 0/5/9/-1, group sizes 0/negative/non-multiples (lattice: not a
+power of two in [32, 1024]), bad modes, eta NaN/negative/>= 0.5/with sym, another grid than the codes were sized
+for, Python values of the wrong type. Layouts include padded rows, storage offsets, stride-0 (broadcast) leading dims
+and column-major tensors; values include NaN, Inf, huge, subnormal, constant and arbitrary fp16 bit patterns. Every
+call must end in one of two ways:
   * an exception of type ValueError/TypeError/RuntimeError/IndexError whose message names the op, of the same type
     on CPU and on meta (the C++ checks, csrc/op_checks.h, and the Python ones, kvkernels/_validate.py, agree);
   * a result equal to kvkernels.reference (bit-exact for packing and quantization, within fp32 rounding bounds for
     dequantization and the GEMVs, which are checked against a float64 evaluation of their formula), with the
     shapes and dtypes the fake returns for the same call; quantize_groups_into writes nothing outside its views.
+    The lattice ops' CPU kernel is the reference itself, so all five are held to a float64 evaluation of
+    docs/FORMATS.md ("Lattice") with an explicit Hadamard matrix: lattice_quantize's norms to fp16 rounding, its
+    codes to the nearest grid point up to fp32 near-ties.
 
 Each op runs in its own subprocess (`python tests/test_fuzz_ops.py --worker OP`), so a crash (SIGSEGV, SIGFPE,
 abort) fails that op's test, naming the signal and the case being run, instead of killing pytest. Hypothesis runs
@@ -22,6 +26,7 @@ under TRITON_INTERPRET=1 on CPU: about 0.3 s a call, so not in CI).
 
 import argparse
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -143,6 +148,8 @@ def _values(n, dtype, kind, gen):
             v = torch.randint(0, 2 ** int(kind[5:]), (n,), generator=gen)
         elif kind == "oob":
             v = torch.randint(-40, 40, (n,), generator=gen)
+        elif kind == "signs":  # the lattice ops' sign vectors
+            v = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
         else:  # arbitrary bit patterns of the dtype (int64 words, wrapped by the cast)
             v = torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen)
         return v.to(dtype)
@@ -370,6 +377,90 @@ def gemv_kivi_cases(draw):
     return _finish(draw, case, {"bits": BAD_BITS, "group_size": BAD_GROUPS})
 
 
+LATTICE_BITS = {(2, 16): 2, (2, 64): 3, (2, 256): 4, (4, 256): 2}  # grid (d, n) -> bits per value
+LATTICE_GROUPS = (32, 32, 64, 128, 256, 1024)
+BAD_LATTICE_GROUPS = (0, -32, 1, 16, 48, 96, 160, 2048, 2**40, -(2**63))
+GRID_VALUES = ("normal", "normal", "discrete", "constant")  # finite: a grid is data, the ops do not check its values
+GRID_LAYOUTS = ("contig", "contig", "padded", "offset", "bcast")  # column-major only by mutation: enough valid calls
+SIGN_VALUES = ("signs", "signs", "signs", "bits")  # +-1, or any int8 (outside the contract, multiplied as is)
+LATTICE_BAD = {"group_size": BAD_LATTICE_GROUPS}
+
+
+def _lattice_scalars(draw):
+    """(bits, group, grid spec, signs spec or None) of one consistent lattice call."""
+    d, n = draw(st.sampled_from(sorted(LATTICE_BITS)))
+    group = draw(st.sampled_from(LATTICE_GROUPS))
+    grid = TSpec((n, d), torch.float32, draw(st.sampled_from(GRID_LAYOUTS)), draw(st.sampled_from(GRID_VALUES)))
+    signs = None
+    if draw(st.booleans()):
+        signs = TSpec((group,), torch.int8, draw(st.sampled_from(INPUT_LAYOUTS)), draw(st.sampled_from(SIGN_VALUES)))
+    return LATTICE_BITS[(d, n)], group, grid, signs
+
+
+def _lattice_length(draw, group):
+    # values per row; a group of 1024 at most twice, so the oracle's float64 scores stay small
+    return group * draw(st.sampled_from((0, 1, 1, 1, 2, 2) if group == 1024 else (0, 1, 1, 1, 2, 2, 3, 4)))
+
+
+def _lattice_finish(draw, case: Case):
+    # another grid than the one the codes were sized for: same bits ((2, 16) and (4, 256)) is a valid call
+    if draw(st.sampled_from((False,) * 9 + (True,))):
+        d, n = draw(st.sampled_from(sorted(LATTICE_BITS)))
+        case.args["grid"] = replace(case.args["grid"], shape=(n, d))
+        case.mutations.append(f"regrid:{n}x{d}")
+    return _finish(draw, case, LATTICE_BAD, optional=("signs",))
+
+
+@st.composite
+def fwht_cases(draw):
+    _, group, _, signs = _lattice_scalars(draw)
+    x = _float_spec(draw, (*_lead(draw, 2), _lattice_length(draw, group)))
+    args = {"x": x, "group_size": group, "signs": signs, "inverse": draw(st.booleans())}
+    case = Case("fwht", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, LATTICE_BAD | {"inverse": (None, 2, 0.5)}, optional=("signs",))
+
+
+@st.composite
+def lattice_quantize_cases(draw):
+    _, group, grid, signs = _lattice_scalars(draw)
+    x = _float_spec(draw, (*_lead(draw, 2), _lattice_length(draw, group)))
+    args = {"x": x, "grid": grid, "group_size": group, "signs": signs}
+    return _lattice_finish(draw, Case("lattice_quantize", args, draw(st.integers(0, 2**32 - 1))))
+
+
+@st.composite
+def lattice_dequantize_cases(draw):
+    bits, group, grid, signs = _lattice_scalars(draw)
+    lead, C = _lead(draw, 2), _lattice_length(draw, group)
+    codes = _codes_spec(draw, (*lead, C // 32 * bits))
+    norms = _scale_spec(draw, (*lead, C // group))
+    args = {"codes": codes, "norms": norms, "grid": grid, "group_size": group, "signs": signs}
+    return _lattice_finish(draw, Case("lattice_dequantize", args, draw(st.integers(0, 2**32 - 1))))
+
+
+def _lattice_gemv_case(draw, op):
+    B, H_q, H_kv, T = _gemv_heads(draw)
+    bits, group, grid, signs = _lattice_scalars(draw)
+    D, N = _lattice_length(draw, group), draw(st.sampled_from((0, 1, 3, 5, 8, 13, 16, 33)))
+    L = D if op == "gemv_lattice_k" else N  # the activation's last dim: keys reduce over D, values over N
+    act = _float_spec(draw, (B, H_q, L) if T is None else (B, H_q, T, L))
+    codes = _codes_spec(draw, (B, H_kv, N, D // 32 * bits))
+    norms = _scale_spec(draw, (B, H_kv, N, D // group))
+    name = "q" if op == "gemv_lattice_k" else "p"
+    args = {name: act, "codes": codes, "norms": norms, "grid": grid, "group_size": group, "signs": signs}
+    return _lattice_finish(draw, Case(op, args, draw(st.integers(0, 2**32 - 1))))
+
+
+@st.composite
+def gemv_lattice_k_cases(draw):
+    return _lattice_gemv_case(draw, "gemv_lattice_k")
+
+
+@st.composite
+def gemv_lattice_v_cases(draw):
+    return _lattice_gemv_case(draw, "gemv_lattice_v")
+
+
 CASES = {
     "pack_bits": pack_bits_cases,
     "unpack_bits": unpack_bits_cases,
@@ -378,6 +469,11 @@ CASES = {
     "dequantize_groups": dequantize_groups_cases,
     "gemv_inner_q": gemv_inner_q_cases,
     "gemv_kivi": gemv_kivi_cases,
+    "fwht": fwht_cases,
+    "lattice_quantize": lattice_quantize_cases,
+    "lattice_dequantize": lattice_dequantize_cases,
+    "gemv_lattice_k": gemv_lattice_k_cases,
+    "gemv_lattice_v": gemv_lattice_v_cases,
 }
 
 
@@ -480,6 +576,156 @@ def check_gemv_kivi(x, codes, scales, zeros, bits, group, got, factorized=False)
     _assert_within(got, y, mag, (x.shape[-1] + 2) * EPS32, "gemv_kivi", gate)
 
 
+@functools.cache
+def _hadamard64(G: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix H_n = H / sqrt(G), float64 [G, G] (built, not butterflied)."""
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < G:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return H / math.sqrt(G)
+
+
+def _groups64(t, G):
+    # [..., C] -> float64 [..., C / G, G]
+    return t.double().reshape(*t.shape[:-1], t.shape[-1] // G, G)
+
+
+def _signs64(signs, G):
+    return torch.ones(G, dtype=torch.float64) if signs is None else signs.double()
+
+
+def check_fwht(x, G, signs, inverse, got):
+    """float64 H_n (s * x) (or s * H_n x) with the butterflies' fp32 bound: log2(G) adds per output, each rounding
+    at most 2^-24 of the group's magnitude sum, plus the final 1/sqrt(G) multiply."""
+    s, H = _signs64(signs, G), _hadamard64(G)
+    xg = _groups64(x, G)  # [..., groups, G]
+    if inverse:
+        want = (xg @ H) * s
+        gate = xg.abs().sum(-1, keepdim=True).expand(xg.shape)  # bounds the butterflies' (unscaled) partial sums
+        mag = gate / math.sqrt(G) * s.abs()
+    else:
+        want = (xg * s) @ H
+        gate = (xg * s).abs().sum(-1, keepdim=True).expand(xg.shape)
+        mag = gate / math.sqrt(G)
+    assert got.shape == x.shape, (got.shape, x.shape)
+    _assert_within(got, want.reshape(x.shape), mag.reshape(x.shape), (math.log2(G) + 3) * EPS32, "fwht",
+                   gate.reshape(x.shape))  # fmt: skip
+
+
+def _fp16_bounds(r64, rel):
+    """The fp16 values a backend may store for a norm computed in fp32 with relative error `rel` of r64."""
+    return (r64 * (1 - rel)).to(torch.float16).double(), (r64 * (1 + rel)).to(torch.float16).double()
+
+
+def check_lattice_quantized(x, grid, G, signs, got):
+    """Norms: fp16 of ||x_g|| / sqrt(G) up to the fp32 sum of squares. Codes: each index's grid point is the
+    nearest to u = H_n (s x) / r within the fp32 evaluation's error (FORMATS.md near-ties), index 0 where x is not
+    finite; groups whose fp32 norm underflows or overflows (|x| < 1e-18 or > 1e18) are not checked."""
+    codes, norms = got
+    n, d = grid.shape
+    index_bits = int(math.log2(n))
+    bits = index_bits // d
+    lead, C = x.shape[:-1], x.shape[-1]
+    assert codes.shape == (*lead, C // 32 * bits) and norms.shape == (*lead, C // G)
+    xg = _groups64(x, G)  # [..., groups, G]
+    r64 = xg.square().sum(-1).sqrt() / math.sqrt(G)
+    lo, hi = _fp16_bounds(r64, (G + 4) * EPS32)
+    got_r = norms.double()
+    ok = ((got_r >= lo) & (got_r <= hi)) | (got_r.isnan() & r64.isnan())
+    assert bool(ok.all()), f"lattice_quantize: {int((~ok).sum())} norms off, e.g. {got_r[~ok][:3]} vs {r64[~ok][:3]}"
+
+    s, H, g = _signs64(signs, G), _hadamard64(G), grid.double()
+    sx = xg * s
+    y = sx @ H
+    u = torch.where(r64.unsqueeze(-1) == 0, torch.zeros_like(y), y / torch.where(r64 == 0, 1.0, r64).unsqueeze(-1))
+    spread = sx.abs().sum(-1) / math.sqrt(G) / torch.where(r64 > 0, r64, 1.0)  # bounds |u| and its fp32 error scale
+    u = u.reshape(-1, d)  # [M, d]
+    per_vector = lambda t: t.unsqueeze(-1).expand(*t.shape, G // d).reshape(-1)  # noqa: E731 - group -> d-vectors
+    finite = per_vector(torch.isfinite(xg).all(-1))
+    checked = finite & per_vector((r64 == 0) | ((r64 > 1e-18) & (r64 < 1e18)))
+    idx = reference.unpack_lattice_indices(codes, index_bits).reshape(-1)
+    assert bool((idx[~finite] == 0).all()), "lattice_quantize: a non-finite group's index is not 0"
+    err = 8 * (math.log2(G) + 8) * EPS32
+    g_abs_sum, g_sq = g.abs().sum(-1).max(), (g * g).sum(-1)
+    for start in range(0, u.shape[0], 8192):
+        uu, ii = u[start : start + 8192], idx[start : start + 8192]
+        scores = 2 * uu @ g.T - g_sq  # [m, n] float64
+        tol = err * (per_vector(spread).reshape(-1)[start : start + 8192] + uu.abs().amax(-1)) * g_abs_sum
+        tol = tol + 16 * EPS32 * (2 * (uu.abs() @ g.abs().T).amax(-1) + g_sq.max())
+        mine = scores.gather(1, ii.unsqueeze(1)).squeeze(1)
+        bad = checked[start : start + 8192] & ~(mine >= scores.amax(-1) - tol)
+        if bad.any():
+            j = int(bad.nonzero()[0])
+            best = f"{int(scores[j].argmax())} ({float(scores[j].max())})"
+            raise AssertionError(
+                f"lattice_quantize: index {int(ii[j])} (score {float(mine[j])}) for u={uu[j].tolist()}, best {best}"
+            )
+
+
+def _lattice_points64(codes, norms, grid, G):
+    """(r16 * grid[c], |r16 * grid[c]|) float64 [..., C / G, G]: the rotated, scaled values the codes name."""
+    n, d = grid.shape
+    idx = reference.unpack_lattice_indices(codes, int(math.log2(n)))  # [..., C / d]
+    pts = grid.double()[idx].reshape(*codes.shape[:-1], idx.shape[-1] * d)
+    v = _groups64(pts, G) * norms.double().unsqueeze(-1)
+    return v, v.abs()
+
+
+def check_lattice_dequantized(codes, norms, grid, G, signs, got):
+    v, v_abs = _lattice_points64(codes, norms, grid, G)  # [..., groups, G]
+    s = _signs64(signs, G)
+    want = (v @ _hadamard64(G)) * s
+    gate = v_abs.sum(-1, keepdim=True).expand(want.shape)  # bounds the butterflies' partial sums (before s)
+    mag = gate / math.sqrt(G) * s.abs()
+    shape = (*codes.shape[:-1], v.shape[-2] * G)
+    assert got.shape == shape, (got.shape, shape)
+    _assert_within(got, want.reshape(shape), mag.reshape(shape), (math.log2(G) + 4) * EPS32, "lattice_dequantize",
+                   gate.reshape(shape))  # fmt: skip
+
+
+def check_gemv_lattice_k(q, codes, norms, grid, G, signs, got):
+    """float64 q . x_hat. The fp32 path rotates q (each q' within log2(G) roundings of Q = sum|q_g| / sqrt(G)),
+    sums G products per group, scales by r16 and sums the groups: bounded by (log2 G + G + groups + 4) roundings
+    of sum_g Q_g * sum_i |r16 grid|."""
+    q4 = q if q.dim() == 4 else q.unsqueeze(2)
+    B, H_q, T, D = q4.shape
+    H_kv, N = codes.shape[1], codes.shape[2]
+    v, v_abs = _lattice_points64(codes, norms, grid, G)  # [B, H_kv, N, groups, G]
+    x_hat = ((v @ _hadamard64(G)) * _signs64(signs, G)).reshape(B, H_kv, N, D)
+    qg = q4.float().double().reshape(B, H_kv, H_q // H_kv, T, D)
+    want = torch.einsum("bkqtd,bknd->bkqtn", qg, x_hat).reshape(B, H_q, T, N)
+    q_mag = (qg.abs() * _signs64(signs, G).abs().repeat(D // G)).reshape(B, H_kv, H_q // H_kv, T, D // G, G)
+    q_mag = q_mag.sum(-1) / math.sqrt(G)  # [B, H_kv, gq, T, groups]: bounds every |q'| of the group
+    mag = torch.einsum("bkqtg,bkng->bkqtn", q_mag, v_abs.sum(-1)).reshape(B, H_q, T, N)
+    gate = mag + q_mag.sum(-1).reshape(B, H_q, T, 1) * math.sqrt(G)  # the unscaled butterflies
+    if q.dim() == 3:
+        want, mag, gate = want.squeeze(2), mag.squeeze(2), gate.squeeze(2)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    _assert_within(got, want, mag, (math.log2(G) + G + D // G + 4) * EPS32, "gemv_lattice_k", gate)
+
+
+def check_gemv_lattice_v(p, codes, norms, grid, G, signs, got):
+    """float64 sum_n p[n] x_hat_n. The fp32 path sums N products per rotated coordinate, then one inverse transform
+    (log2(G) roundings of the group's magnitude sum): bounded by (N + log2 G + 4) roundings of
+    |s| * sum_n |p_n| sum_i |r16 grid| / sqrt(G)."""
+    p4 = p if p.dim() == 4 else p.unsqueeze(2)
+    B, H_q, T, N = p4.shape
+    H_kv = codes.shape[1]
+    v, v_abs = _lattice_points64(codes, norms, grid, G)  # [B, H_kv, N, groups, G]
+    groups = v.shape[-2]
+    s = _signs64(signs, G)
+    x_hat = ((v @ _hadamard64(G)) * s).reshape(B, H_kv, N, groups * G)
+    pg = p4.float().double().reshape(B, H_kv, H_q // H_kv, T, N)
+    want = (pg @ x_hat.unsqueeze(2)).reshape(B, H_q, T, groups * G)
+    group_mag = torch.einsum("bkqtn,bkng->bkqtg", pg.abs(), v_abs.sum(-1)) / math.sqrt(G)  # [.., T, groups]
+    mag = (group_mag.unsqueeze(-1) * s.abs()).reshape(B, H_q, T, groups * G)
+    gate = (group_mag.unsqueeze(-1) * math.sqrt(G)).expand(*group_mag.shape, G).reshape(mag.shape)  # before s
+    if p.dim() == 3:
+        want, mag, gate = want.squeeze(2), mag.squeeze(2), gate.squeeze(2)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    _assert_within(got, want, mag, (N + math.log2(G) + 4) * EPS32, "gemv_lattice_v", gate)
+
+
 def check_result(op, a, got, before, backend="cpu"):
     """The output of a successful call (a: the built arguments by name) against the reference."""
     if op == "pack_bits":
@@ -509,6 +755,16 @@ def check_result(op, a, got, before, backend="cpu"):
         check_gemv_kivi(
             *(a[k] for k in ("x", "codes", "scales", "zeros", "bits", "group_size")), got, backend == "triton"
         )
+    elif op == "fwht":
+        check_fwht(a["x"], a["group_size"], a["signs"], a["inverse"], got)
+    elif op == "lattice_quantize":
+        check_lattice_quantized(a["x"], a["grid"], a["group_size"], a["signs"], got)
+    elif op == "lattice_dequantize":
+        check_lattice_dequantized(*(a[k] for k in ("codes", "norms", "grid", "group_size", "signs")), got)
+    elif op == "gemv_lattice_k":
+        check_gemv_lattice_k(*(a[k] for k in ("q", "codes", "norms", "grid", "group_size", "signs")), got)
+    elif op == "gemv_lattice_v":
+        check_gemv_lattice_v(*(a[k] for k in ("p", "codes", "norms", "grid", "group_size", "signs")), got)
     else:
         raise AssertionError(f"no oracle for {op}")
 
@@ -646,6 +902,11 @@ _ARG_NAMES = {
     "dequantize_groups": ("codes", "scales", "zeros", "bits", "group_size", "mode"),
     "gemv_inner_q": ("x", "codes", "scales", "zeros", "bits", "group_size", "mode", "x_scale"),
     "gemv_kivi": ("x", "codes", "scales", "zeros", "bits", "group_size"),
+    "fwht": ("x", "group_size", "signs", "inverse"),
+    "lattice_quantize": ("x", "grid", "group_size", "signs"),
+    "lattice_dequantize": ("codes", "norms", "grid", "group_size", "signs"),
+    "gemv_lattice_k": ("q", "codes", "norms", "grid", "group_size", "signs"),
+    "gemv_lattice_v": ("p", "codes", "norms", "grid", "group_size", "signs"),
 }
 
 
@@ -780,6 +1041,11 @@ def _quant_into_args():
         ("dequantize_groups", 1, "scales"),
         ("gemv_inner_q", 1, "codes"),
         ("gemv_kivi", 3, "zeros"),
+        ("fwht", 0, "x"),
+        ("lattice_quantize", 1, "grid"),
+        ("lattice_dequantize", 1, "norms"),
+        ("gemv_lattice_k", 0, "q"),
+        ("gemv_lattice_v", 3, "grid"),
     ],
 )
 def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
@@ -797,6 +1063,11 @@ def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
         "dequantize_groups": [codes, scales, zeros, bits, G, mode],
         "gemv_inner_q": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G, mode, None],
         "gemv_kivi": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G],
+        "fwht": [x, G, None, False],
+        "lattice_quantize": [x, torch.zeros(16, 2), G, None],
+        "lattice_dequantize": [codes[:, :2], scales[:, :1], torch.zeros(16, 2), G, None],
+        "gemv_lattice_k": [gx, gemv_codes[..., :4], gemv_scales, torch.zeros(16, 2), G, None],
+        "gemv_lattice_v": [gx, gemv_codes[..., :4], gemv_scales, torch.zeros(16, 2), G, None],
     }
     args = [(_meta(a) if device == "meta" else a) if isinstance(a, torch.Tensor) else a for a in calls[op]]
     args[position] = None

@@ -112,6 +112,30 @@ def _opcheck_cases():
             (x, codes, scales, None, 3, 32, "sym", torch.rand(2, 96)),
         ),
         "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (kx, kcodes, kscales, kzeros, 2, 32)),
+        **_lattice_opcheck_cases(),
+    }
+
+
+def _lattice_opcheck_cases():
+    # the lattice ops (tests/test_lattice.py has more variants: signs, inverse, fp16 activations)
+    from kvkernels.formats.lattice_grids import grid
+
+    g = grid(2, 64)
+    signs = (torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(0)) * 2 - 1).to(torch.int8)
+    w = torch.randn(2, 2, 5, 128)
+    codes, norms = reference.lattice_quantize(w, g, 64, signs)
+    return {
+        "fwht": (torch.ops.kvkernels.fwht.default, (w, 64, signs, True)),
+        "lattice_quantize": (torch.ops.kvkernels.lattice_quantize.default, (w, g, 64, signs)),
+        "lattice_dequantize": (torch.ops.kvkernels.lattice_dequantize.default, (codes, norms, g, 64, signs)),
+        "gemv_lattice_k": (
+            torch.ops.kvkernels.gemv_lattice_k.default,
+            (torch.randn(2, 4, 3, 128), codes, norms, g, 64),
+        ),
+        "gemv_lattice_v": (
+            torch.ops.kvkernels.gemv_lattice_v.default,
+            (torch.rand(2, 4, 5), codes, norms, g, 64, None),
+        ),
     }
 
 

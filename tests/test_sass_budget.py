@@ -91,3 +91,14 @@ def test_spec_and_bytes_of_the_gemv_names():
     assert (k.family, k.bits, k.cpl, k.query_rows) == ("kivi", 2, 16, 4)
     # 16 rows x 128 columns x 2 bits + 4 groups x (scale + zero) per row
     assert sb.bytes_per_iteration(k) == 16 * (128 * 2 / 8 + 4 * 4)
+
+
+def test_spec_and_bytes_of_the_lattice_gemvs():
+    k = sb.spec_of("void kvk::(anonymous namespace)::gemv_lattice_k_kernel<(kvk::LatticeGrid)1, 128, 64, 2>(...)")
+    assert (k.family, k.mode, k.bits, k.dim, k.group, k.query_rows) == ("lattice_k", "EDEN2-64", 3, 128, 64, 8)
+    # one 16-token tile: 16 rows x (128 channels x 3 bits + one fp16 norm per group of 64)
+    assert sb.bytes_per_iteration(k) == 16 * (48 + 2 * 2)
+    v = sb.spec_of("void kvk::(anonymous namespace)::gemv_lattice_v_kernel<(kvk::LatticeGrid)3, 64, 1, true>(...)")
+    assert (v.family, v.mode, v.bits, v.dim, v.norms_in_b, v.query_rows) == ("lattice_v", "EDEN4-256", 2, 64, True, 4)
+    # one k-step: 16 tokens x (64 channels x 2 bits + the norm of their one group)
+    assert sb.bytes_per_iteration(v) == 16 * (16 + 2)

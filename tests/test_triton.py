@@ -6,70 +6,28 @@ than a cartesian product; every case still names what it covers.
 """
 
 import importlib
-import os
-import zlib
 
 import pytest
 import torch
+from triton_helpers import DEVICE, DTYPES, TRITON_MARK, gen, place, seed_for, tk, triton
 
 from kvkernels import reference
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not INTERPRET and not torch.cuda.is_available(),
-    reason="Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to run on CPU",
-)
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-
-if INTERPRET or torch.cuda.is_available():
-    import kvkernels.triton_kernels as tk
-    from kvkernels.triton_kernels._common import interpreter_problem
-
-    if DEVICE == "cpu" and interpreter_problem():  # .ci/run fails instead: CI must not lose these tests to a skip
-        pytestmark = pytest.mark.skip(reason=interpreter_problem())
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+pytestmark = TRITON_MARK
 # |triton - reference| <= RTOL * sum_l |x_l| |w_l| + ATOL: x enters both exactly (same fp16/bf16 values cast to
 # fp32), so the difference is fp32 accumulation order only.
 RTOL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 1e-3}
 ATOL = 1e-6
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode())  # fixed per test id (hash() of a str changes between runs)
-
-
-def _strided(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """t as a narrowed view of a larger preallocated buffer full of garbage: every dim gets a margin on both
-    sides (the last keeps stride 1), so reads or writes outside the view corrupt the result."""
-    big = [s + 3 for s in t.shape[:-1]] + [t.shape[-1] + 5]
-    if t.dtype.is_floating_point:
-        buf = torch.full(big, float("nan"), dtype=t.dtype)
-    else:
-        buf = torch.randint(-(2**31), 2**31 - 1, big, generator=_gen(seed), dtype=torch.int64).to(t.dtype)
-    view = buf.to(DEVICE)[tuple(slice(1, 1 + s) for s in t.shape[:-1]) + (slice(2, 2 + t.shape[-1]),)]
-    view.copy_(t)
-    return view
-
-
 def _weights(shape, bits, G, mode, seed):
     """Random weights quantized by the reference. Hybrid gets positive rows (asym wins) and a constant group
     (asym with s == 0, stored as -0.0, in the last row) so both branches and the sign-bit rule are exercised."""
-    w = torch.randn(shape, generator=_gen(seed))
+    w = torch.randn(shape, generator=gen(seed))
     if mode == "hybrid":
         w[..., ::3, :] += 3.0
         w[..., -1, :G] = 1.25
     return reference.quantize_groups(w, bits, G, mode)
-
-
-def _place(t, noncontig, seed):
-    return _strided(t, seed) if noncontig else t.to(DEVICE)
 
 
 def _check_close(y, ref, mag, dtype_name):
@@ -106,11 +64,11 @@ INNER_Q_CASES = {
 @pytest.mark.parametrize("name", INNER_Q_CASES)
 def test_gemv_inner_q(name):
     bits, mode, dt, B, H_kv, ratio, T, M, L, G, use_xs, noncontig = INNER_Q_CASES[name]
-    seed = _seed(name)
+    seed = seed_for(name)
     codes, scales, zeros = _weights((B, H_kv, M, L), bits, G, mode, seed)
     x_shape = (B, H_kv * ratio, L) if T is None else (B, H_kv * ratio, T, L)
-    x = torch.randn(x_shape, generator=_gen(seed + 1)).to(DTYPES[dt])
-    xs = torch.rand(H_kv, L, generator=_gen(seed + 2)) + 0.5 if use_xs else None
+    x = torch.randn(x_shape, generator=gen(seed + 1)).to(DTYPES[dt])
+    xs = torch.rand(H_kv, L, generator=gen(seed + 2)) + 0.5 if use_xs else None
     z_in = None if mode == "sym" else zeros  # zeros are optional for sym
 
     ref = reference.gemv_inner_q(x, codes, scales, z_in, bits, G, mode, xs)
@@ -122,10 +80,10 @@ def test_gemv_inner_q(name):
     mag = x4 @ wa.transpose(-1, -2)
     mag = mag if T else mag.squeeze(2)
 
-    args = [_place(t, noncontig, seed + k) for k, t in enumerate((x, codes, scales, zeros))]
+    args = [place(t, noncontig, seed + k) for k, t in enumerate((x, codes, scales, zeros))]
     if mode == "sym":
         args[3] = None
-    xs_dev = None if xs is None else _place(xs, noncontig, seed + 9)
+    xs_dev = None if xs is None else place(xs, noncontig, seed + 9)
     y = tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev)
     _check_close(y, ref, mag, dt)
     if "split" in name:  # the split path sums partials in a fixed order: run-to-run identical
@@ -170,10 +128,10 @@ KIVI_CASES = {
 @pytest.mark.parametrize("name", KIVI_CASES)
 def test_gemv_kivi(name):
     bits, dt, B, H_kv, ratio, T, R, C, G, noncontig = KIVI_CASES[name]
-    seed = _seed(name)
+    seed = seed_for(name)
     codes, scales, zeros = _weights((B, H_kv, R, C), bits, G, "asym", seed)
     x_shape = (B, H_kv * ratio, R) if T is None else (B, H_kv * ratio, T, R)
-    x = torch.randn(x_shape, generator=_gen(seed + 1)).to(DTYPES[dt])
+    x = torch.randn(x_shape, generator=gen(seed + 1)).to(DTYPES[dt])
 
     ref = reference.gemv_kivi(x, codes, scales, zeros, bits, G)
     wa = reference.dequantize_groups(codes, scales, zeros, bits, G, "asym").abs().repeat_interleave(ratio, 1)
@@ -181,7 +139,7 @@ def test_gemv_kivi(name):
     mag = x4.float().abs() @ wa
     mag = mag if T else mag.squeeze(2)
 
-    args = [_place(t, noncontig, seed + k) for k, t in enumerate((x, codes, scales, zeros))]
+    args = [place(t, noncontig, seed + k) for k, t in enumerate((x, codes, scales, zeros))]
     y = tk.gemv_kivi(*args, bits, G)
     _check_close(y, ref, mag, dt)
     if "split" in name:  # split path: fixed-order combine, run-to-run identical
@@ -239,7 +197,7 @@ QUANT_CASES = {
 @pytest.mark.parametrize("name", QUANT_CASES)
 def test_quantize_and_dequantize_match_reference(name):
     bits, mode, dt, shape, G, eta = QUANT_CASES[name]
-    g = _gen(_seed(name))
+    g = gen(seed_for(name))
     x = torch.randn(shape, generator=g).reshape(-1, shape[-1])  # rows
     x[::2] += 2.0  # positive rows: hybrid chooses asym there
     x[1::3, :G] = 0.0  # all-zero groups
@@ -262,7 +220,7 @@ def test_quantize_into_narrowed_cache_views(bits, mode):
     codes = torch.zeros(B, H, D, cap // 32 * bits, dtype=torch.int32, device=DEVICE)
     scales = torch.zeros(B, H, D, cap // G, dtype=torch.float16, device=DEVICE)
     zeros = torch.zeros_like(scales)
-    v = torch.randn(B, H, 64, D, generator=_gen(bits)) + (1.0 if mode == "hybrid" else 0.0)
+    v = torch.randn(B, H, 64, D, generator=gen(bits)) + (1.0 if mode == "hybrid" else 0.0)
     x = v.transpose(-1, -2).to(DEVICE)  # [B, H, D, 64], non-contiguous
     eta = 0.25 if mode == "asym" else 0.0
     w0, w1 = 64 // 32 * bits, 128 // 32 * bits
@@ -279,7 +237,7 @@ def test_quantize_into_narrowed_cache_views(bits, mode):
 
 def test_quantize_many_unmergeable_leading_dims():
     # 5-D permuted input: more than three leading dims that cannot merge -> contiguous fallback, same result
-    x = torch.randn(2, 3, 2, 3, 2, 64, generator=_gen(5)).permute(4, 3, 2, 1, 0, 5).to(DEVICE)
+    x = torch.randn(2, 3, 2, 3, 2, 64, generator=gen(5)).permute(4, 3, 2, 1, 0, 5).to(DEVICE)
     got = tk.quantize_groups(x, 2, 32, "hybrid")
     _assert_matches_reference(x, 2, 32, "hybrid", 0.0, got)
     c, s, z = got
@@ -291,7 +249,7 @@ def test_quantize_many_unmergeable_leading_dims():
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy on NaN
 def test_quantize_nan_stays_in_its_group():
-    x = torch.randn(2, 128, generator=_gen(3))
+    x = torch.randn(2, 128, generator=gen(3))
     x[0, 5] = float("nan")
     for mode in ("sym", "asym", "hybrid"):
         c, s, z = tk.quantize_groups(x.to(DEVICE), 2, 32, mode)

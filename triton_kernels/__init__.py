@@ -5,6 +5,18 @@ Runs on CUDA, and on CPU under TRITON_INTERPRET=1, which is how CI tests it.
 
 from .gemv_inner_q import gemv_inner_q
 from .gemv_kivi import gemv_kivi
+from .lattice import fwht, gemv_lattice_k, gemv_lattice_v, lattice_dequantize, lattice_quantize
 from .quantize import dequantize_groups, quantize_groups, quantize_groups_into
 
-__all__ = ["dequantize_groups", "gemv_inner_q", "gemv_kivi", "quantize_groups", "quantize_groups_into"]
+__all__ = [
+    "dequantize_groups",
+    "fwht",
+    "gemv_inner_q",
+    "gemv_kivi",
+    "gemv_lattice_k",
+    "gemv_lattice_v",
+    "lattice_dequantize",
+    "lattice_quantize",
+    "quantize_groups",
+    "quantize_groups_into",
+]

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "kvkernels/lattice.cuh"
 #include "kvkernels/quant.cuh"
 
 namespace kvk {
@@ -92,6 +93,42 @@ struct GemvKiviParams {
 
 int64_t gemv_kivi_workspace_floats(const GemvKiviParams& p);
 cudaError_t launch_gemv_kivi(const GemvKiviParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------
+// Lattice (HIGGS-style) GEMVs, docs/FORMATS.md "Lattice"; y = s * H_n(r16 * grid[c]) per group of G channels:
+//   gemv_lattice_k:  y[b, h, t, n] = sum_g r16[n, g] * <H_n (s * x_g), grid[c_{n, g}]>          (x = q, keys)
+//   gemv_lattice_v:  y[b, h, t, :] = per group g: s * H_n (sum_n x[n] r16[n, g] grid[c_{n, g}])  (x = p, values)
+// with h_kv = h / (H_q / H_kv). One struct serves both (x is the query for keys and the probabilities for values).
+struct GemvLatticeParams {
+  // ---- pointers ----
+  const void* x;             // keys: q [B, H_q, T, D]; values: p [B, H_q, T, N]; of dtype x_dtype
+  const uint32_t* codes;     // [B, H_kv, N, D * bits / 32] packed grid indices (docs/FORMATS.md, "Packing")
+  const uint16_t* norms;     // [B, H_kv, N, D / G] fp16 bits of the group RMS r16
+  const float* grid;         // [n, d] fp32, contiguous
+  const int8_t* signs;       // [G] +-1, or nullptr (no signs)
+  float* y;                  // keys: [B, H_q, T, N]; values: [B, H_q, T, D]; fp32
+  float* workspace;          // split-K partial sums, >= gemv_lattice_*_workspace_floats(*this) floats (or nullptr)
+  int64_t workspace_floats;  // size of `workspace`, checked by the launcher
+  // ---- sizes ----
+  int64_t B, H_q, H_kv;  // batch, query heads, KV heads (H_q % H_kv == 0)
+  int64_t T;             // query rows per head (1 for a 3-D x)
+  int64_t N;             // tokens
+  int D;                 // head_dim: 64, 128 or 256
+  int group_size;        // G: power of two in [32, D]
+  LatticeGrid grid_kind; // which (d, n) grid `grid` is
+  XDtype x_dtype;        // dtype of x
+  int num_sms;           // multiprocessor count of the device (planning)
+  // ---- strides (elements) ----
+  int64_t x_sb, x_sh, x_st;  // x: batch, head, query-row
+  int64_t c_sb, c_sh, c_sn;  // codes (uint32 words): batch, KV head, token
+  int64_t r_sb, r_sh, r_sn;  // norms: batch, KV head, token
+  int64_t y_sb, y_sh, y_st;  // y: batch, head, query-row
+};
+
+int64_t gemv_lattice_k_workspace_floats(const GemvLatticeParams& p);  // always 0 (no split-K for keys)
+cudaError_t launch_gemv_lattice_k(const GemvLatticeParams& p, cudaStream_t stream);
+int64_t gemv_lattice_v_workspace_floats(const GemvLatticeParams& p);
+cudaError_t launch_gemv_lattice_v(const GemvLatticeParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------
 // Storage ops. Their tensors are "rows" of a last dim, with up to kMaxRowDims leading dims of any stride

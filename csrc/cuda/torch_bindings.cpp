@@ -389,6 +389,124 @@ at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// ---- lattice GEMVs ---------------------------------------------------------------------------------------------
+
+// Shared checks of gemv_lattice_k / gemv_lattice_v (mirroring kvkernels/_validate.py check_gemv_lattice_k / _v):
+// x [B, H_q, (T,) L] with L = D (keys) or N (values); codes int32 [B, H_kv, N, D * bits / 32]; norms fp16
+// [B, H_kv, N, D / G]; grid fp32 [n, d] one of the four (bits from its shape); G a power of two in [32, 1024] dividing
+// D; signs None or int8 [G]. The kernels take D in {64, 128, 256}. Fills p but the output; returns the grid as the
+// kernel reads it (contiguous: a strided view is copied, n * d floats) and D through p.D.
+at::Tensor lattice_params(const char* op, bool keys, const at::Tensor& x, const at::Tensor& codes,
+                          const at::Tensor& norms, const at::Tensor& grid_in, int64_t group_size,
+                          const std::optional<at::Tensor>& signs, kvk::GemvLatticeParams& p) {
+  const char* xname = keys ? "q" : "p";
+  check_defined(op, xname, x);
+  check_defined(op, "codes", codes);
+  check_defined(op, "norms", norms);
+  check_defined(op, "grid", grid_in);
+  check_dtype(op, "grid", grid_in, at::kFloat);
+  const int kind = grid_in.dim() == 2 ? kvk::lattice_grid_of(grid_in.size(1), grid_in.size(0)) : -1;
+  TORCH_CHECK_VALUE(kind >= 0, "kvkernels.", op, ": grid must be [n, d] with [n, d] one of [[16, 2], [64, 2], ",
+                    "[256, 2], [256, 4]], got shape ", grid_in.sizes());
+  check_last_dim_contiguous(op, "grid", grid_in);
+  check_x_and_codes(op, x, codes);
+  const auto g = static_cast<kvk::LatticeGrid>(kind);
+  const int64_t bits = kvk::lattice_bits(g);
+  const int64_t B = codes.size(0), H_kv = codes.size(1), N = codes.size(2), W = codes.size(3);
+  int64_t D = 0;
+  TORCH_CHECK_VALUE(group_size >= 32 && group_size <= 1024 && (group_size & (group_size - 1)) == 0, "kvkernels.",
+                    op, ": group_size must be a power of two in [32, 1024], got ", group_size);
+  if (keys) {
+    D = x.size(-1);
+    TORCH_CHECK_VALUE(D % group_size == 0, "kvkernels.", op, ": q.shape[-1] (D)=", D,
+                      " must be a multiple of group_size=", group_size);
+    TORCH_CHECK_VALUE(W == D / kBlock * bits, "kvkernels.", op, ": codes must hold D*bits/32 = ", D / kBlock * bits,
+                      " words per row for D=", D, ", got ", W);
+  } else {
+    TORCH_CHECK_VALUE(N == x.size(-1), "kvkernels.", op, ": codes tokens N=", N, " must equal p.shape[-1]=",
+                      x.size(-1));
+    TORCH_CHECK_VALUE(W % bits == 0, "kvkernels.", op, ": codes last dim ", W, " must be a multiple of bits=", bits);
+    D = W / bits * kBlock;
+    TORCH_CHECK_VALUE(D % group_size == 0, "kvkernels.", op, ": D (values per token)=", D,
+                      " must be a multiple of group_size=", group_size);
+  }
+  check_dtype(op, "norms", norms, at::kHalf);
+  check_shape(op, "norms", norms, {B, H_kv, N, D / group_size});
+  check_last_dim_contiguous(op, "norms", norms);
+  if (signs.has_value()) {
+    check_dtype(op, "signs", *signs, at::kChar);
+    check_shape(op, "signs", *signs, {group_size});
+    check_last_dim_contiguous(op, "signs", *signs);
+  }
+  check_cuda(op, "norms", norms, x.device());
+  check_cuda(op, "grid", grid_in, x.device());
+  if (signs.has_value()) check_cuda(op, "signs", *signs, x.device());
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, "kvkernels.", op, ": the CUDA kernel takes head_dim D in ",
+                    "(64, 128, 256), got D=", D);
+  const at::Tensor grid = grid_in.contiguous();
+  const bool has_t = x.dim() == 4;
+  p = kvk::GemvLatticeParams{};
+  p.x = x.const_data_ptr();
+  p.codes = words(codes);
+  p.norms = half_bits(norms);
+  p.grid = grid.const_data_ptr<float>();
+  p.signs = signs.has_value() ? signs->const_data_ptr<int8_t>() : nullptr;
+  p.B = B, p.H_q = x.size(1), p.H_kv = H_kv, p.T = has_t ? x.size(2) : 1, p.N = N;
+  p.D = static_cast<int>(D);
+  p.group_size = static_cast<int>(group_size);
+  p.grid_kind = g;
+  p.x_dtype = activation_dtype(op, xname, x);
+  p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = has_t ? x.stride(2) : 0;
+  p.c_sb = codes.stride(0), p.c_sh = codes.stride(1), p.c_sn = codes.stride(2);
+  p.r_sb = norms.stride(0), p.r_sh = norms.stride(1), p.r_sn = norms.stride(2);
+  return grid;
+}
+
+at::Tensor gemv_lattice_k(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& norms, const at::Tensor& grid,
+                          int64_t group_size, const std::optional<at::Tensor>& signs) {
+  const char* op = "gemv_lattice_k";
+  kvk::GemvLatticeParams p;
+  const at::Tensor grid_c = lattice_params(op, true, q, codes, norms, grid, group_size, signs, p);
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  auto y_shape = q.sizes().vec();
+  y_shape.back() = p.N;
+  at::Tensor y = at::empty(y_shape, q.options().dtype(at::kFloat));
+  if (y.numel() == 0) return y;
+  const bool has_t = q.dim() == 4;
+  p.y = y.data_ptr<float>();
+  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
+  p.num_sms = num_sms();
+  check_launch(op, kvk::launch_gemv_lattice_k(p, current_stream()));
+  return y;
+}
+
+at::Tensor gemv_lattice_v(const at::Tensor& probs, const at::Tensor& codes, const at::Tensor& norms,
+                          const at::Tensor& grid, int64_t group_size, const std::optional<at::Tensor>& signs) {
+  const char* op = "gemv_lattice_v";
+  kvk::GemvLatticeParams p;
+  const at::Tensor grid_c = lattice_params(op, false, probs, codes, norms, grid, group_size, signs, p);
+  const int64_t D = p.D;
+  const c10::cuda::CUDAGuard device_guard(probs.device());
+  auto y_shape = probs.sizes().vec();
+  y_shape.back() = D;
+  at::Tensor y = at::empty(y_shape, probs.options().dtype(at::kFloat));
+  if (y.numel() == 0) return y;
+  if (p.N == 0) return y.zero_();
+  const bool has_t = probs.dim() == 4;
+  p.y = y.data_ptr<float>();
+  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
+  p.num_sms = num_sms();
+  const int64_t ws_floats = kvk::gemv_lattice_v_workspace_floats(p);
+  at::Tensor ws;
+  if (ws_floats > 0) {
+    ws = at::empty({ws_floats}, probs.options().dtype(at::kFloat));
+    p.workspace = ws.data_ptr<float>();
+    p.workspace_floats = ws_floats;
+  }
+  check_launch(op, kvk::launch_gemv_lattice_v(p, current_stream()));
+  return y;
+}
+
 }  // namespace
 }  // namespace kvk_cuda
 
@@ -400,4 +518,6 @@ TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("dequantize_groups", &kvk_cuda::dequantize_groups);
   m.impl("gemv_inner_q", &kvk_cuda::gemv_inner_q);
   m.impl("gemv_kivi", &kvk_cuda::gemv_kivi);
+  m.impl("gemv_lattice_k", &kvk_cuda::gemv_lattice_k);
+  m.impl("gemv_lattice_v", &kvk_cuda::gemv_lattice_v);
 }

@@ -1,7 +1,8 @@
 """KV cache formats: one module per format behind one protocol (kvkernels.formats.base.Format), and their registry.
 
-Each format module (innerq.py, kivi.py, xquant.py) holds its config dataclass, its layer cache (a QuantizedLayerCache
-subclass: stores, append rules, the two attention hooks) and a Format instance naming them; the registry below
+Each format module (innerq.py, kivi.py, xquant.py, lattice.py) holds its config dataclass, its layer cache (a
+QuantizedLayerCache subclass: stores, append rules, the two attention hooks) and a Format instance naming them; the
+registry below
 maps format names, config types and preset names to formats. Attention, the model-level cache, the demo, the
 bench and the transformers integration go through the registry and never name a format, so a new format is one
 module (+ its kernels and tests) and one `register` line (docs/ARCHITECTURE.md, "Adding a format").
@@ -15,10 +16,11 @@ module (+ its kernels and tests) and one `register` line (docs/ARCHITECTURE.md, 
 
 import torch
 
-from . import innerq, kivi, xquant
+from . import innerq, kivi, lattice, xquant
 from .base import MODES, SUPPORTED_BITS, EffectiveBits, Format, QuantizedLayerCache, QuantStore, stores_zeros
 from .innerq import InnerQConfig, InnerQLayerCache
 from .kivi import KIVIConfig, KIVILayerCache
+from .lattice import LatticeConfig, LatticeLayerCache
 from .xquant import XQuantConfig, XQuantLayerCache
 
 _FORMATS: dict[str, Format] = {}
@@ -102,6 +104,7 @@ def effective_bits(config, num_layers: int | None = None) -> EffectiveBits:
 register(innerq.FORMAT)
 register(kivi.FORMAT)
 register(xquant.FORMAT)
+register(lattice.FORMAT)
 
 __all__ = [
     "MODES",
@@ -113,6 +116,8 @@ __all__ = [
     "InnerQLayerCache",
     "KIVIConfig",
     "KIVILayerCache",
+    "LatticeConfig",
+    "LatticeLayerCache",
     "QuantStore",
     "QuantizedLayerCache",
     "XQuantConfig",

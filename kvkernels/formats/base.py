@@ -88,6 +88,29 @@ def check_capacity(capacity) -> None:
         raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
 
 
+class SameForBothTensors:
+    """Mixin for a config that codes keys and values alike: the Format protocol's per-tensor view (key_bits,
+    value_bits, key_mode, value_mode) read from the config's `bits` and its class attribute `mode`."""
+
+    mode: str
+
+    @property
+    def key_bits(self) -> int:
+        return self.bits
+
+    @property
+    def value_bits(self) -> int:
+        return self.bits
+
+    @property
+    def key_mode(self) -> str:
+        return self.mode
+
+    @property
+    def value_mode(self) -> str:
+        return self.mode
+
+
 def stores_zeros(mode: str) -> bool:
     """Whether a mode keeps an fp16 zero point per group (sym's zero is implied, so it is not stored)."""
     check_mode("mode", mode)

@@ -7,11 +7,19 @@ calibration of the asymmetric zero/scale (kvkernels.quantize_groups, mode="asym"
 
 from dataclasses import dataclass
 
-from .base import Format, QuantizedLayerCache, check_bits, check_eta, check_group_size, check_window
+from .base import (
+    Format,
+    QuantizedLayerCache,
+    SameForBothTensors,
+    check_bits,
+    check_eta,
+    check_group_size,
+    check_window,
+)
 
 
 @dataclass(frozen=True)
-class KIVIConfig:
+class KIVIConfig(SameForBothTensors):
     """KIVI cache format (asymmetric only).
 
     Keys: per-channel groups of `group_size` tokens; values: per-token groups of `group_size` channels.
@@ -39,22 +47,9 @@ class KIVIConfig:
         """The calibration a tensor is written with: KIVI is asym for both tensors."""
         return float(self.eta)
 
-    # The uniform view the Format protocol reads: KIVI is asym for both tensors, and its window is `residual`.
-    @property
-    def key_bits(self) -> int:
-        return self.bits
-
-    @property
-    def value_bits(self) -> int:
-        return self.bits
-
-    @property
-    def key_mode(self) -> str:
-        return "asym"
-
-    @property
-    def value_mode(self) -> str:
-        return "asym"
+    # The uniform view the Format protocol reads: KIVI is asym for both tensors (SameForBothTensors), and its
+    # window is `residual`.
+    mode = "asym"
 
     @property
     def w_recent(self) -> int:

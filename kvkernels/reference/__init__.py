@@ -1,6 +1,15 @@
 """Pure-PyTorch reference backend: the executable spec of every kvkernels op, and the CPU fallback."""
 
 from .gemv import gemv_inner_q, gemv_kivi
+from .lattice import (
+    fwht,
+    gemv_lattice_k,
+    gemv_lattice_v,
+    lattice_dequantize,
+    lattice_quantize,
+    pack_lattice_indices,
+    unpack_lattice_indices,
+)
 from .packing import pack_bits, unpack_bits
 from .quant import dequantize_groups, group_affine, quantize_groups
 
@@ -15,11 +24,18 @@ def quantize_groups_into(x, bits, group_size, mode, eta, codes, scales, zeros) -
 
 __all__ = [
     "dequantize_groups",
+    "fwht",
     "gemv_inner_q",
     "gemv_kivi",
+    "gemv_lattice_k",
+    "gemv_lattice_v",
     "group_affine",
+    "lattice_dequantize",
+    "lattice_quantize",
     "pack_bits",
+    "pack_lattice_indices",
     "quantize_groups",
     "quantize_groups_into",
     "unpack_bits",
+    "unpack_lattice_indices",
 ]

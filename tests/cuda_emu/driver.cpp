@@ -1,12 +1,14 @@
 // Runs the real CUDA launchers (csrc/cuda/*.cu, compiled for the host through emu.h) on random data and checks
 // every output against a double-precision dequantize-then-matmul reference written out here, independently of
-// the kernels. Modes: `iq` (gemv_inner_q), `kivi` (gemv_kivi), `q` (quantize_groups_into), `all` (the three, the
-// CI set), `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count; minutes, manual).
+// the kernels. Modes: `iq` (gemv_inner_q), `kivi` (gemv_kivi), `q` (quantize_groups_into), `lattice`
+// (gemv_lattice_k / gemv_lattice_v against the double-precision spec formula), `all` (every one, the CI set),
+// `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count; minutes, manual).
 // Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K`; exits 1 on a failure.
 #include "emu.h"
 #include "cuda/kernels.h"
 #include "kvkernels/packing.cuh"
 #include "kvkernels/mma.cuh"
+#include "kvkernels/lattice.cuh"
 #include <random>
 #include <cassert>
 using namespace kvk;
@@ -219,6 +221,170 @@ void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, 
          (bad || touched) ? "FAIL" : "ok", bad, touched);
 }
 
+// ---- lattice GEMVs ------------------------------------------------------------------------------------------------
+// Orthonormal Walsh-Hadamard transform of G values in double (the definition; the kernels run it in fp32).
+static void fwht_double(double* y, int G) {
+  for (int h = 1; h < G; h *= 2)
+    for (int i = 0; i < G; ++i)
+      if (i % (2 * h) < h) {
+        const double a = y[i], b = y[i + h];
+        y[i] = a + b, y[i + h] = a - b;
+      }
+  const double s = 1.0 / std::sqrt((double)G);
+  for (int i = 0; i < G; ++i) y[i] *= s;
+}
+
+// keys (values = false): scores[b, h, t, n] = sum_g r16 <H_n (s q_g), grid[c]>;  values: out[b, h, t, :] per group
+// = s * H_n (sum_n p_n r16 grid[c]). Random codes (every index is valid), norms, grid, signs, strided views.
+// The contract (csrc/cuda/gemv_lattice.cu): the grid in fp16 (2^-11), values' r16 * grid rounded to fp16 once more;
+// checked at 2^-10 (keys) / 2^-9 (values) of the magnitude sum, plus 2^-20 of sum |x| (values' subnormal products).
+void lattice_case(bool values, int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t N, int D, int G,
+                  LatticeGrid gk, XDtype dt, bool with_signs, int cpad, int coff, int rpad, int num_sms) {
+  const int bits = lattice_bits(gk), d = lattice_d(gk), n = lattice_n(gk);
+  const int64_t W = D * bits / 32, NG = D / G, L = values ? N : D;
+  const int64_t c_sn = W + cpad, c_sh = N * c_sn + 3, c_sb = H_kv * c_sh;
+  Buf<uint32_t> codes(B * c_sb + coff + 1);
+  for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
+  const int64_t r_sn = NG + rpad, r_sh = N * r_sn + 1, r_sb = H_kv * r_sh;
+  Buf<uint16_t> nr(B * r_sb + 2);
+  for (size_t i = 0; i < nr.n; ++i) nr.p[i] = rng() % 13 == 0 ? 0 : hbits(std::fabs(frand()) * 2.f);
+  Buf<float> grid(n * d);
+  for (size_t i = 0; i < grid.n; ++i) grid.p[i] = 2.f * frand();
+  Buf<int8_t> signs(G);
+  for (int i = 0; i < G; ++i) signs.p[i] = (rng() & 1) ? 1 : -1;
+  const int64_t x_st = L + 3, x_sh = T * x_st + 5, x_sb = H_q * x_sh + 3;
+  std::vector<char> xbuf_v((B * x_sb + 7) * xsize(dt) + 64);
+  std::vector<float> xe(B * x_sb + 7, 0.f);
+  for (int64_t i = 0; i < B * x_sb + 7; ++i) store_x(xbuf_v.data(), dt, i, frand(), xe[i]);
+  const int64_t Y = values ? D : N;
+  Buf<float> y(B * H_q * T * Y);
+  for (size_t i = 0; i < y.n; ++i) y.p[i] = NAN;
+
+  GemvLatticeParams p{};
+  p.x = xbuf_v.data(); p.codes = codes.p + coff; p.norms = nr.p + 1; p.grid = grid.p;
+  p.signs = with_signs ? signs.p : nullptr; p.y = y.p;
+  p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.N = N; p.D = D; p.group_size = G; p.grid_kind = gk;
+  p.x_dtype = dt; p.num_sms = num_sms;
+  p.x_sb = x_sb; p.x_sh = x_sh; p.x_st = has_t ? x_st : 0;
+  p.c_sb = c_sb; p.c_sh = c_sh; p.c_sn = c_sn;
+  p.r_sb = r_sb; p.r_sh = r_sh; p.r_sn = r_sn;
+  p.y_sb = H_q * T * Y; p.y_sh = T * Y; p.y_st = has_t ? Y : 0;
+  int64_t wsf = values ? gemv_lattice_v_workspace_floats(p) : gemv_lattice_k_workspace_floats(p);
+  std::unique_ptr<Buf<float>> ws;
+  if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
+  cudaError_t e = values ? launch_gemv_lattice_v(p, nullptr) : launch_gemv_lattice_k(p, nullptr);
+  res.cases++;
+  if (e != cudaSuccess) { printf("lattice launch error %d: %s\n", (int)e, last_launch_error()); res.fails++; return; }
+
+  // rotated dequantized row (per group) of token tok: y_rot[c] = r16 * grid[c_j][c % d], and |.| of it
+  const auto rot_row = [&](int64_t b, int64_t hk, int64_t tok, std::vector<double>& yr) {
+    const uint32_t* row = p.codes + b * c_sb + hk * c_sh + tok * c_sn;
+    for (int c = 0; c < D; c += d) {
+      const uint32_t idx = lattice_index(row + (c / 32) * bits, (c % 32) / d, gk);
+      const double r = half_bits_to_float(p.norms[b * r_sb + hk * r_sh + tok * r_sn + c / G]);
+      for (int i = 0; i < d; ++i) yr[c + i] = r * grid.p[idx * d + i];
+    }
+  };
+  const int64_t gq = H_q / H_kv;
+  int64_t bad = 0;
+  double worst = 0;
+  std::vector<double> yr(D), qr(D), acc(D), mag(D);
+  for (int64_t b = 0; b < B; ++b) for (int64_t h = 0; h < H_q; ++h) for (int64_t t = 0; t < T; ++t) {
+    const int64_t hk = h / gq;
+    const float* x = &xe[b * x_sb + h * x_sh + (has_t ? t * x_st : 0)];
+    const float* got = y.p + b * p.y_sb + h * p.y_sh + t * (has_t ? Y : 0);
+    const auto check = [&](int64_t j, double want, double bound) {
+      const double ex = std::fabs(got[j] - want) - bound;
+      worst = std::max(worst, ex);
+      if (!(ex <= 0)) { if (bad < 3) printf("  mismatch b%ld h%ld t%ld j%ld got %.9g want %.9g bound %.3g\n", b, h, t, j, got[j], want, bound); bad++; }
+    };
+    if (!values) {
+      for (int c = 0; c < D; ++c) qr[c] = (double)x[c] * (with_signs ? signs.p[c % G] : 1);
+      for (int g0 = 0; g0 < D; g0 += G) fwht_double(&qr[g0], G);
+      for (int64_t tok = 0; tok < N; ++tok) {
+        rot_row(b, hk, tok, yr);
+        double s = 0, m = 0;
+        for (int c = 0; c < D; ++c) s += qr[c] * yr[c], m += std::fabs(qr[c] * yr[c]);
+        check(tok, s, std::ldexp(m, -10) + 1e-7);
+      }
+    } else {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      std::fill(mag.begin(), mag.end(), 0.0);
+      double xs = 0;
+      for (int64_t tok = 0; tok < N; ++tok) {
+        rot_row(b, hk, tok, yr);
+        xs += std::fabs(x[tok]);
+        for (int c = 0; c < D; ++c) acc[c] += x[tok] * yr[c], mag[c] += std::fabs(x[tok] * yr[c]);
+      }
+      for (int g0 = 0; g0 < D; g0 += G) {
+        fwht_double(&acc[g0], G);
+        double m = 0;
+        for (int c = g0; c < g0 + G; ++c) m += mag[c];
+        for (int c = g0; c < g0 + G; ++c) {
+          const double want = acc[c] * (with_signs ? signs.p[c % G] : 1);
+          check(c, want, std::ldexp(m / std::sqrt((double)G), -9) + std::ldexp(xs, -20) + 1e-7);
+        }
+      }
+    }
+  }
+  if (bad) res.fails++;
+  printf("lattice_%s B%ld Hq%ld Hkv%ld T%ld%s N%ld D%d G%d grid(%d,%d) dt%d signs%d cpad%d coff%d rpad%d sms%d ws%ld : %s (bad %ld)\n",
+         values ? "v" : "k", B, H_q, H_kv, T, has_t ? "" : "(3d)", N, D, G, d, n, (int)dt, (int)with_signs, cpad, coff,
+         rpad, num_sms, wsf, bad ? "FAIL" : "ok", bad);
+}
+
+// The quarter arithmetic of the 6-bit layout and the byte / field addressing against lattice_index, exhaustively
+// over random blocks (the kernels' index -> table-address path must give index << S | lane offset).
+void lattice_index_cases() {
+  std::mt19937 r(11);
+  long bad = 0;
+  for (int it = 0; it < 20000; ++it) {
+    uint32_t w[4];
+    for (auto& x : w) x = r();
+    const uint32_t off = r() % 4 * 4;  // a lane's copy offset (< 2^S)
+    const uint32_t top = quarter_top(w[0], w[1], w[2]);
+    for (int q = 0; q < 4; ++q)
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t want = lattice_index(w, quarter_index(q, e), LatticeGrid::kE2_64);
+        const uint32_t got7 = e < 3 ? field_addr<7, 6>(w[e], 6 * q, off) : x_addr<7>(top, x_mask(q), x_mul<7>(q), off);
+        const uint32_t got5 = e < 3 ? field_addr<5, 6>(w[e], 6 * q, off) : x_addr<5>(top, x_mask(q), x_mul<5>(q), off);
+        if (got7 != ((want << 7) | off) || got5 != ((want << 5) | off)) bad++;
+      }
+    for (int byte = 0; byte < 4; ++byte)
+      if (field_addr<5, 8>(w[0], 8 * byte, off) != (((w[0] >> (8 * byte)) & 255u) << 5 | off)) bad++;
+    // packing round trip of every grid
+    for (int gk = 0; gk < 4; ++gk) {
+      const LatticeGrid g = (LatticeGrid)gk;
+      uint32_t idx[16], blk[4];
+      for (int j = 0; j < 32 / lattice_d(g); ++j) idx[j] = r() % lattice_n(g);
+      lattice_pack_block(idx, blk, g);
+      for (int j = 0; j < 32 / lattice_d(g); ++j) if (lattice_index(blk, j, g) != idx[j]) bad++;
+    }
+  }
+  // every (k-step, k) of a row is one channel, and every (lane group, m-tile, h) of a warp's slice one channel
+  for (int gk = 0; gk < 4; ++gk) {
+    const LatticeGrid g = (LatticeGrid)gk;
+    for (int D : {64, 128, 256}) {
+      std::vector<int> seen(D, 0);
+      for (int ks = 0; ks < D / 16; ++ks) for (int k = 0; k < 16; ++k) {
+        const int c = lattice_key_channel(g, ks, k);
+        if (c < 16 * (ks / 2 * 2) || c >= 16 * (ks / 2 * 2) + 32) bad++;  // inside the k-step's 32-channel block
+        seen[c]++;
+      }
+      for (int c = 0; c < D; ++c) if (seen[c] != 1) bad++;
+    }
+    for (int DW : {64, 128}) {
+      std::vector<int> seen(DW, 0);
+      for (int gg = 0; gg < 8; ++gg) for (int mt = 0; mt < DW / 16; ++mt) for (int h = 0; h < 2; ++h)
+        seen[lattice_value_channel(g, DW, gg, mt, h)]++;
+      for (int c = 0; c < DW; ++c) if (seen[c] != 1) bad++;
+    }
+  }
+  res.cases++;
+  if (bad) res.fails++;
+  printf("lattice index arithmetic: %s (bad %ld)\n", bad ? "FAIL" : "ok", bad);
+}
+
 // The register-level decoders of mma.cuh against unpack_one, for random blocks and every thread of a quad (exact:
 // the MMA's A operand must hold the integer codes exactly), and the bit helpers they rely on.
 template <int BITS, int OFF>
@@ -318,6 +484,32 @@ int main(int argc, char** argv) {
     quant_case(1, 1, 2, 2048, 3, 1024, QuantMode::kHybrid, 0.f, XDtype::kBF16);
   }
   if (which == "decode" || which == "all") decode_cases();
+  if (which == "lattice" || which == "all") {
+    using LG = LatticeGrid;
+    lattice_index_cases();
+    // every grid, keys and values: head_dim 128, G 64, GQA 4, odd N, a 3-D query; signs on every other grid
+    for (int gk = 0; gk < 4; ++gk)
+      for (bool v : {false, true})
+        lattice_case(v, 1, 8, 2, 1, false, 301, 128, 64, (LG)gk, (XDtype)(gk % 3), gk % 2, 0, 0, 0, 8);
+    // head_dim 64 and 256, G from 32 to D, T > 1 (8 and 12 query rows: one and two passes), strided views
+    lattice_case(false, 2, 4, 2, 3, true, 77, 64, 32, LG::kE2_64, XDtype::kBF16, true, 3, 1, 2, 8);
+    lattice_case(true, 2, 4, 2, 3, true, 77, 64, 64, LG::kE2_16, XDtype::kF16, true, 3, 1, 2, 8);
+    lattice_case(false, 1, 2, 1, 4, true, 130, 256, 32, LG::kE4_256, XDtype::kF32, false, 5, 0, 1, 8);
+    lattice_case(true, 1, 2, 1, 4, true, 130, 256, 256, LG::kE2_256, XDtype::kF32, true, 5, 0, 1, 8);
+    lattice_case(false, 1, 4, 4, 1, true, 50, 256, 256, LG::kE2_64, XDtype::kF16, true, 0, 0, 0, 8);
+    lattice_case(true, 1, 4, 4, 1, true, 50, 256, 32, LG::kE4_256, XDtype::kBF16, false, 0, 0, 0, 8);
+    lattice_case(false, 1, 8, 1, 2, true, 40, 64, 64, LG::kE2_256, XDtype::kF32, false, 1, 0, 0, 8);
+    lattice_case(true, 1, 8, 1, 2, true, 40, 64, 32, LG::kE2_64, XDtype::kF32, true, 1, 0, 0, 8);
+    // keys: many tiles per warp (1 SM), a partial last tile, 16 query rows (GQA 16: two passes)
+    lattice_case(false, 1, 16, 1, 1, false, 1000, 128, 128, LG::kE2_16, XDtype::kF16, true, 2, 0, 1, 1);
+    // values split-K (workspace + finish kernel; G < D and G = D), and splits forced by shared memory at 8 query rows
+    lattice_case(true, 1, 8, 2, 1, false, 2100, 128, 64, LG::kE2_64, XDtype::kF16, true, 0, 0, 0, 8);
+    lattice_case(true, 2, 4, 1, 1, false, 1500, 128, 128, LG::kE2_16, XDtype::kF32, true, 2, 1, 1, 8);  // G = D
+    lattice_case(true, 1, 16, 2, 1, false, 1300, 64, 32, LG::kE4_256, XDtype::kBF16, false, 1, 1, 1, 64);
+    // T > 16: launcher T chunks (20 = 16 + 4 rows per head); GQA 1
+    lattice_case(false, 1, 2, 2, 20, true, 33, 128, 32, LG::kE2_256, XDtype::kF32, true, 0, 0, 0, 8);
+    lattice_case(true, 1, 2, 2, 20, true, 33, 128, 128, LG::kE2_16, XDtype::kF32, false, 0, 0, 0, 8);
+  }
   if (which == "tests") {
     int sms = argc > 2 ? atoi(argv[2]) : 132;
     struct S { int64_t B, Hq, Hkv, M, L; };

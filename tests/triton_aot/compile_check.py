@@ -53,6 +53,7 @@ PTR_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int16: "*i16",
+    torch.int8: "*i8",  # the lattice ops' signs
 }
 
 
@@ -159,7 +160,35 @@ def representative_calls(tk):
     gemv_kivi(1, 16, 4, 0, 64, 2048, 3, 128, torch.float16)
     quantize((2, 4, 32, 2048), 4, 2048, "hybrid", torch.float16)
     dequantize((2, 4, 32, 2048), 4, 2048, "hybrid")
+    lattice_calls(tk, calls, dtypes)
     return calls
+
+
+def lattice_calls(tk, calls, dtypes):
+    """The lattice ops: every grid and activation dtype, signs on and off, q_len 16, G 32 .. 1024."""
+    from kvkernels.formats.lattice_grids import BITS, grid
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype)
+
+    signs = torch.ones(64, dtype=torch.int8)
+    for (d, n), bits in BITS.items():
+        g = grid(d, n)
+        codes, norms = z(1, 8, 4096, 128 * bits // 32, dtype=torch.int32), z(1, 8, 4096, 2, dtype=torch.float16)
+        for dtype in dtypes:
+            q, p = z(1, 32, 128, dtype=dtype), z(1, 32, 4096, dtype=dtype)
+            calls.append(lambda q=q, c=codes, r=norms, g=g: tk.gemv_lattice_k(q, c, r, g, 64))
+            calls.append(lambda p=p, c=codes, r=norms, g=g: tk.gemv_lattice_v(p, c, r, g, 64))
+            x = z(1, 8, 16, 128, dtype=dtype)
+            calls.append(lambda x=x, g=g: tk.lattice_quantize(x, g, 64))
+        q16, p16 = z(1, 32, 16, 128, dtype=torch.float16), z(1, 32, 16, 4096, dtype=torch.float16)
+        calls.append(lambda q=q16, c=codes, r=norms, g=g: tk.gemv_lattice_k(q, c, r, g, 64, signs))
+        calls.append(lambda p=p16, c=codes, r=norms, g=g: tk.gemv_lattice_v(p, c, r, g, 64, signs))
+        calls.append(lambda c=codes, r=norms, g=g: tk.lattice_dequantize(c, r, g, 64, signs))
+        calls.append(lambda g=g: tk.lattice_quantize(z(1, 8, 16, 1024, dtype=torch.float16), g, 1024))
+    for G in (32, 1024):
+        calls.append(lambda G=G: tk.fwht(z(8, 2048, dtype=torch.bfloat16), G))
+        calls.append(lambda G=G: tk.fwht(z(8, 2048), G, torch.ones(G, dtype=torch.int8), True))
 
 
 # Planted faults for --self-test: each must be reported, or the check could pass without looking.
