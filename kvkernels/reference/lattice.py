@@ -188,7 +188,9 @@ def lattice_quantize(
 def _grid_values(codes: torch.Tensor, grid: torch.Tensor, index_bits: int) -> torch.Tensor:
     # codes int32 [..., W] -> the grid points they name, fp32 [..., C] (still rotated and unscaled)
     idx = unpack_lattice_indices(codes, index_bits)  # [..., C / d]
-    return grid.to(torch.float32)[idx].reshape(*codes.shape[:-1], idx.shape[-1] * grid.shape[1])
+    # index_select on the flat indices: the same gather as grid[idx], several times faster on CPU
+    points = grid.to(torch.float32).index_select(0, idx.reshape(-1))
+    return points.reshape(*codes.shape[:-1], idx.shape[-1] * grid.shape[1])
 
 
 def lattice_dequantize(
