@@ -66,3 +66,17 @@ def tiny_llama(head_dim=32, layers=2, heads=4, kv_heads=2, vocab=128, hidden=Non
     else:
         model.set_attn_implementation(attn)
     return model
+
+
+def require_real_model() -> None:
+    """Skip unless the eval's model and corpus packages are installed (or the model is already converted)."""
+    import pytest
+
+    from kvkernels import quality
+
+    try:
+        quality.package_file(quality.CORPUS_MODULE, quality.CORPUS_FILE, quality.CORPUS_PIP)
+        if not quality.is_converted(quality.default_model_dir()):
+            quality.package_file(quality.MODEL_MODULE, quality.GGUF_FILE, quality.MODEL_PIP)
+    except quality.MissingDependencyError as e:
+        pytest.skip(f"model/corpus package not installed ({quality.INSTALL_HINT}, or `make eval`): {e}")

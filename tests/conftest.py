@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -28,3 +29,20 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def slow_requested(config) -> bool:
+    """Whether slow tests run: `pytest -m slow` (a mark expression naming slow, not negated) or KVKERNELS_SLOW=1."""
+    return os.environ.get("KVKERNELS_SLOW") == "1" or bool(
+        re.search(r"(?<!not )\bslow\b", config.getoption("markexpr", "") or "")
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # tests marked slow (real-model runs, the bigger Lloyd grids) stay out of `make test` unless asked for
+    if slow_requested(config):
+        return
+    skip = pytest.mark.skip(reason="slow: run with `pytest -m slow` or KVKERNELS_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from cache_helpers import require_real_model
 
 from kvkernels import PRESETS, demo, effective_bits, quality
 
@@ -185,22 +186,9 @@ def test_missing_article_is_a_clear_skip(tiny_folder, capsys):
 # part 3 on the real model (slow)
 
 
-def _slow_requested(config) -> bool:  # as tests/test_quality_eval.py
-    return os.environ.get("KVKERNELS_SLOW") == "1" or bool(
-        re.search(r"(?<!not )\bslow\b", config.getoption("markexpr", "") or "")
-    )
-
-
 @pytest.mark.slow
-def test_model_part_on_smollm2(request, capsys):
-    if not _slow_requested(request.config):
-        pytest.skip("real-model test: run with `pytest -m slow` or KVKERNELS_SLOW=1")
-    try:
-        quality.package_file(quality.CORPUS_MODULE, quality.CORPUS_FILE, quality.CORPUS_PIP)
-        if not quality.is_converted(quality.default_model_dir()):
-            quality.package_file(quality.MODEL_MODULE, quality.GGUF_FILE, quality.MODEL_PIP)
-    except quality.MissingDependencyError as e:
-        pytest.skip(f"model/corpus package not installed (`make eval-quick`): {e}")
+def test_model_part_on_smollm2(capsys):
+    require_real_model()
     argv = ["--device", "cpu", "--skip-real", "--seq-len", "64", "--no-progress"]
     assert demo.main([*argv, "--new-tokens", "12", "--eval-tokens", "8"]) == 0
     out = capsys.readouterr().out

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from cache_helpers import tiny_llama  # noqa: E402
+from cache_helpers import require_real_model, tiny_llama  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kvkernels import quality  # noqa: E402
@@ -335,22 +335,9 @@ def test_python_m_kvkernels_eval_help():
 # the real model (slow)
 
 
-def _slow_requested(config) -> bool:
-    return os.environ.get("KVKERNELS_SLOW") == "1" or bool(
-        re.search(r"(?<!not )\bslow\b", config.getoption("markexpr", "") or "")
-    )
-
-
 @pytest.fixture(scope="module")
-def smollm2(request):
-    if not _slow_requested(request.config):
-        pytest.skip("real-model test: run with `pytest -m slow` or KVKERNELS_SLOW=1")
-    try:
-        quality.package_file(quality.CORPUS_MODULE, quality.CORPUS_FILE, quality.CORPUS_PIP)
-        if not quality.is_converted(quality.default_model_dir()):
-            quality.package_file(quality.MODEL_MODULE, quality.GGUF_FILE, quality.MODEL_PIP)
-    except quality.MissingDependencyError as e:
-        pytest.skip(f"model/corpus package not installed ({quality.INSTALL_HINT}, or `make eval`): {e}")
+def smollm2():
+    require_real_model()
     model, tokenizer = quality.load_model(progress=False)
     set_kvkernels_attention(model)
     articles = quality.load_articles()
