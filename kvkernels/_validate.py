@@ -6,6 +6,8 @@ Only metadata is inspected (no device sync), so the checks are free to run on ev
 
 import torch
 
+from .reference.lattice import GRID_BITS
+
 SUPPORTED_BITS = (1, 2, 3, 4)
 MODES = ("sym", "asym", "hybrid")
 FLOAT_ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
@@ -260,7 +262,7 @@ def check_unpack(packed, bits) -> None:
 
 # ---- lattice (HIGGS-style) ops: docs/FORMATS.md "Lattice" ---------------------------------------------------------
 
-LATTICE_GRIDS = {(2, 16): 2, (2, 64): 3, (2, 256): 4, (4, 256): 2}  # grid (d, n) -> bits per value, log2(n) / d
+LATTICE_GRIDS = GRID_BITS  # grid (d, n) -> bits per value, log2(n) / d: the reference's table (the spec)
 LATTICE_GROUP_RANGE = (32, 1024)  # group_size: a power of two in this range (the Hadamard block)
 
 

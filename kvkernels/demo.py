@@ -152,6 +152,8 @@ def real_kv_section(device) -> None:
         h.remove()
     H = model.config.num_attention_heads
     N = ids["input_ids"].shape[1]
+    D = model.config.hidden_size // H
+    unfit = {m: why for m in METHODS if (why := _unfit(m, D))}  # formats that cannot store this head_dim
     results: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     for i in range(model.config.num_hidden_layers):
         # [1, N, H*D] -> [1, H, N, D]
@@ -159,10 +161,8 @@ def real_kv_section(device) -> None:
             captured[(i, n)].unflatten(-1, (H, -1)).transpose(1, 2).to(device) for n in ("query", "key", "value")
         )
         for method in METHODS:
-            if _unfit(method, k.shape[-1]) is None:
+            if method not in unfit:
                 results[method].append(_layer_errors(method, q[:, :, -1:], k, v, device))
-    D = model.config.hidden_size // H
-    unfit = [f"{m} ({_unfit(m, D)})" for m in METHODS if _unfit(m, D)]
     _print_table(
         f"1. Real K/V: all-MiniLM-L6-v2, {model.config.num_hidden_layers} layers x {H} heads, head_dim "
         f"{D}, {N} tokens of text; one decode step (last token's query), mean over layers",
@@ -170,7 +170,7 @@ def real_kv_section(device) -> None:
         _method_rows(results),
         "   bits: per quantized value incl. fp16 scales/zeros; avg bits: (K + V) / 2, to compare methods that "
         "split their bits differently between K and V; KV bytes/fp16 includes the fp16 windows at this length"
-        + ("".join(f"\n   n/a: {u}" for u in unfit)),
+        + "".join(f"\n   n/a: {m} ({why})" for m, why in unfit.items()),
     )
 
 

@@ -156,9 +156,6 @@ class LatticeStore(QuantStore):
         codes, norms, _ = self.views(lo, hi)
         return self._from_rows(ops.lattice_dequantize(codes, norms, self.grid, self.group_size, self.signs))
 
-    def map_batch(self, fn) -> None:
-        self.codes, self.scales = fn(self.codes), fn(self.scales)
-
 
 class LatticeLayerCache(QuantizedLayerCache):
     """One layer's lattice KV cache: fp16 sink + recent windows, per-token lattice codes for keys and values."""

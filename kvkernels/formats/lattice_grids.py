@@ -29,8 +29,10 @@ import functools
 
 import torch
 
-# (d, n) -> bits per value, log2(n) / d: the grids the lattice ops accept (kvkernels/_validate.py LATTICE_GRIDS)
-BITS = {(2, 16): 2, (2, 64): 3, (2, 256): 4, (4, 256): 2}
+from ..reference.lattice import GRID_BITS
+
+# (d, n) -> bits per value, log2(n) / d: the grids the lattice ops accept (the reference's table)
+BITS = GRID_BITS
 PUBLISHED_MSE = {(2, 16): 0.1076, (2, 64): 0.0296, (2, 256): 0.00776, (4, 256): 0.0966}
 SHA256 = {
     (2, 16): "df6cae4951820d4a51518debbdc6838a12e0c0d071f6f32142dfb4fdc6650a34",

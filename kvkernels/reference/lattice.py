@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .gemv import _as_4d, _by_kv_head
+
 BLOCK = 32  # values per packing block, as in every other format: a block of `bits`-bit values is `bits` words
 GRID_BITS = {(2, 16): 2, (2, 64): 3, (2, 256): 4, (4, 256): 2}  # (d, n) -> bits per value, log2(n) / d
 ARGMAX_CHUNK = 1 << 15  # d-vectors scored at a time by lattice_quantize: [chunk, n] fp32 scores, 32 MiB at n = 256
@@ -208,11 +210,6 @@ def lattice_dequantize(
 # ---- the fused GEMVs ----------------------------------------------------------------------------------------------
 
 
-def _as_4d(a: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    # [B, H_q, L] or [B, H_q, T, L] -> [B, H_q, T, L], and whether T was given
-    return (a, True) if a.dim() == 4 else (a.unsqueeze(2), False)
-
-
 def gemv_lattice_k(
     q: torch.Tensor,
     codes: torch.Tensor,
@@ -265,7 +262,7 @@ def gemv_lattice_v(
     points = _grid_values(codes, grid, index_bits)  # [B, H_kv, N, D]
     D = points.shape[-1]
     scaled = (points.reshape(B, H_kv, N, D // G, G) * norms.to(torch.float32).unsqueeze(-1)).reshape(B, H_kv, N, D)
-    pg = p4.to(torch.float32).reshape(B, H_kv, H_q // H_kv, T, N)
+    pg = _by_kv_head(p4.to(torch.float32), H_kv)  # [B, H_kv, H_q / H_kv, T, N]
     acc = pg @ scaled.unsqueeze(2)  # [B, H_kv, H_q / H_kv, T, D]: sum_n p[n] r16[n] grid[c_n], still rotated
     out = fwht(acc.reshape(B, H_q, T, D), G, signs, inverse=True)
     return (out if has_t else out.squeeze(2)).contiguous()
