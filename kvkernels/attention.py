@@ -7,9 +7,10 @@ For queries q [B, H_q, T, D] (the last T tokens of the cache; GQA: query head h 
     S_quant = cache.quantized_key_scores(x)     the format's hook, e.g. InnerQ gemv_inner_q(x, codes of K / norm,
                                                 x_scale=norm) = (x * norm) . deq(K / norm) ~ x . K; KIVI gemv_kivi
     P      = softmax(S + causal mask)                                         ONE softmax over all N tokens, fp32
+             cache.observe_attention(P)                 the third hook: a no-op unless the format selects tokens
     O      = P[sink] V_sink + cache.quantized_value_output(P[value-store tokens]) + P[value tail] V_tail
 
-The two hooks are all attention knows of a format (kvkernels.formats.base.QuantizedLayerCache); it never names
+The hooks are all attention knows of a format (kvkernels.formats.base.QuantizedLayerCache); it never names
 one. The key and value stores cover different token ranges (kvkernels.formats.base), so P is split at
 the value-side boundaries, not the key-side ones. The fp16 window products are done in fp32 (the windows are at
 most w + G - 1 tokens, so the upcast is negligible next to the quantized GEMVs).
@@ -82,7 +83,7 @@ def decode_attention(
     causal mask, as SDPA's attn_mask does: bool (True = attend; a fully masked row gets a uniform average, not
     NaN) or float (added to the scores).
     """
-    if not (hasattr(cache, "quantized_key_scores") and hasattr(cache, "quantized_value_output")):
+    if not all(hasattr(cache, h) for h in ("quantized_key_scores", "quantized_value_output", "observe_attention")):
         raise TypeError(f"cache must be a kvkernels layer cache (QuantizedLayerCache), got {type(cache).__name__}")
     N = cache.seq_len
     _check_q(q, cache.num_kv_heads, cache.head_dim, cache.batch, N)
@@ -101,6 +102,7 @@ def decode_attention(
         dim=-1,
     )  # [B, H_q, T, N] fp32
     p = torch.softmax(_apply_mask(scores, attn_mask), dim=-1)
+    cache.observe_attention(p)  # a format that picks tokens by attention (SpeCache's top-k) reads p here
 
     s, mv = cache.n_sink, cache.value_store.n  # value-side token ranges: [0, s) | [s, s + mv) | [s + mv, N)
     out = _grouped_matmul(p[..., :s], cache.sink_values.to(torch.float32))

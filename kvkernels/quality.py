@@ -312,7 +312,8 @@ def stored_bits_per_value(cache) -> float:
     if not mem or not mem["fp16_equivalent"]:
         return 16.0
     dtype = next(layer.cache.dtype for layer in cache.layers if layer.cache is not None)
-    window_fp16_bytes = mem["window"] // torch.empty((), dtype=dtype).element_size() * 2
+    # the fp16 windows and any fp16 rows a format keeps on the device besides them (SpeCache's prefetched rows)
+    window_fp16_bytes = (mem["window"] + mem.get("prefetch", 0)) // torch.empty((), dtype=dtype).element_size() * 2
     return 16.0 * (mem["quantized"] + window_fp16_bytes) / mem["fp16_equivalent"]
 
 
@@ -320,8 +321,13 @@ def stored_bits_per_value(cache) -> float:
 def decode_logits(model, cache, fed: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
     """Feed the tokens `fed` [T] one at a time through `cache` (already holding the prompt).
 
-    Returns the logits [T, V] fp32 and each step's wall time in seconds (synchronized on CUDA).
+    Returns the logits [T, V] fp32 and each step's wall time in seconds (synchronized on CUDA). A speculative
+    format's cache (SpeCache) is fed as its two-row loop feeds it (kvkernels.speculative.teacher_forced_logits).
     """
+    from .speculative import is_speculative, teacher_forced_logits
+
+    if is_speculative(cache):
+        return teacher_forced_logits(model, cache, fed)
     cuda = model.device.type == "cuda"
     out, seconds = [], []
     for token in fed.to(model.device):

@@ -1,11 +1,11 @@
 """KV cache formats: one module per format behind one protocol (kvkernels.formats.base.Format), and their registry.
 
-Each format module (innerq.py, kivi.py, xquant.py, lattice.py) holds its config dataclass, its layer cache (a
-QuantizedLayerCache subclass: stores, append rules, the two attention hooks) and a Format instance naming them; the
-registry below
-maps format names, config types and preset names to formats. Attention, the model-level cache, the demo, the
-bench and the transformers integration go through the registry and never name a format, so a new format is one
-module (+ its kernels and tests) and one `register` line (docs/ARCHITECTURE.md, "Adding a format").
+Each format module (innerq.py, kivi.py, xquant.py, lattice.py, specache.py) holds its config dataclass,
+its layer cache (a QuantizedLayerCache subclass: stores, append rules, the attention hooks) and a Format instance
+naming them; the registry below maps format names, config types and preset names to formats. Attention, the
+model-level cache, the demo, the bench and the transformers integration go through the registry and never name a
+format, so a new format is one module (+ its kernels and tests) and one `register` line (docs/ARCHITECTURE.md,
+"Adding a format").
 
     format_of(config)        the Format of a config instance (TypeError for an unregistered type)
     preset_format(name)      the Format of a preset name (ValueError for an unknown name)
@@ -16,11 +16,12 @@ module (+ its kernels and tests) and one `register` line (docs/ARCHITECTURE.md, 
 
 import torch
 
-from . import innerq, kivi, lattice, xquant
+from . import innerq, kivi, lattice, specache, xquant
 from .base import MODES, SUPPORTED_BITS, EffectiveBits, Format, QuantizedLayerCache, QuantStore, stores_zeros
 from .innerq import InnerQConfig, InnerQLayerCache
 from .kivi import KIVIConfig, KIVILayerCache
 from .lattice import LatticeConfig, LatticeLayerCache
+from .specache import SpeCacheConfig, SpeCacheLayerCache
 from .xquant import XQuantConfig, XQuantLayerCache
 
 _FORMATS: dict[str, Format] = {}
@@ -105,6 +106,7 @@ register(innerq.FORMAT)
 register(kivi.FORMAT)
 register(xquant.FORMAT)
 register(lattice.FORMAT)
+register(specache.FORMAT)
 
 __all__ = [
     "MODES",
@@ -120,6 +122,8 @@ __all__ = [
     "LatticeLayerCache",
     "QuantStore",
     "QuantizedLayerCache",
+    "SpeCacheConfig",
+    "SpeCacheLayerCache",
     "XQuantConfig",
     "XQuantLayerCache",
     "effective_bits",

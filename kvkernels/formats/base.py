@@ -420,6 +420,11 @@ class QuantizedLayerCache:
             return p.new_zeros(B, H_q, T, self.head_dim)
         return self.format.store_gemv(p, self.value_store)
 
+    def observe_attention(self, p: torch.Tensor) -> None:
+        """Called by decode attention with the probabilities fp32 [B, H_q, T, N] of every cached token, after the
+        softmax and before the value GEMVs. A format that chooses tokens by attention (SpeCache's top-k prefetch)
+        reads them here; the default does nothing."""
+
     # -- reads -----------------------------------------------------------------------------------------------
     def attention(
         self, q: torch.Tensor, scale: float | None = None, attn_mask: torch.Tensor | None = None
@@ -613,6 +618,11 @@ class Format:
         return self.gemv(
             getattr(ops, self.gemv_op), x, codes, scales, zeros, store.bits, store.group_size, store.mode, x_scale
         )
+
+    def speculative_decode(self, config) -> bool:
+        """Whether generation should feed this config's caches [token, speculative next token] each step (the
+        two-row loop of kvkernels.speculative; SpeCache). Default: no."""
+        return False
 
     # -- caches ---------------------------------------------------------------------------------------------
     def make_layer_cache(

@@ -102,6 +102,7 @@ from .. import ops
 from ..cache import ModelKVCache, check_num_layers
 from ..formats import PRESETS, all_formats, format_of, preset_format
 from ..formats.base import check_capacity
+from ..speculative import generate_kwargs
 
 ATTN_IMPLEMENTATION = "kvkernels"
 METHODS = (*PRESETS, "fp16")
@@ -657,6 +658,7 @@ def generate_with_method(model, input_ids: torch.Tensor, method: str, **kw) -> G
     previous = set_kvkernels_attention(model)
     try:
         cache = KVKernelsCache(method, config=model.config, **cache_kw)
+        gen_kw = generate_kwargs(cache) | gen_kw  # a speculative format's two-row loop (kvkernels.speculative)
         out = model.generate(
             input_ids, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **gen_kw
         )
