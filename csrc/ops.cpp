@@ -60,4 +60,13 @@ TORCH_LIBRARY(kvkernels, m) {
   m.def(
       "gemv_lattice_v(Tensor p, Tensor codes, Tensor norms, Tensor grid, int group_size, Tensor? signs=None) -> "
       "Tensor");
+
+  // AQUA-KV reconstruction of a block of T tokens of one layer (docs/FORMATS.md "AQUA-KV"), C = H_kv * head_dim:
+  //   out = ((prev @ weight^T + prev2 @ weight2^T) + bias) + lattice_dequantize(codes, norms)    fp32 [T, C]
+  // prev [T, C_in], weight [C, C_in] (fp16/bf16/fp32, one dtype); bias fp32 [C]; codes int32 [T, C*bits/32];
+  // norms fp16 [T, C/G]; grid/group_size/signs as the lattice ops; prev2 [T, C_in2] + weight2 [C, C_in2] (both or
+  // neither): the value predictor's second input, a second accumulating GEMM instead of a concatenation.
+  m.def(
+      "aqua_reconstruct(Tensor prev, Tensor weight, Tensor bias, Tensor codes, Tensor norms, Tensor grid, "
+      "int group_size, Tensor? signs=None, Tensor? prev2=None, Tensor? weight2=None) -> Tensor");
 }

@@ -11,6 +11,7 @@ from .cache import LayerContext, ModelKVCache
 from .formats import *  # noqa: F403 - every format's config and layer cache, PRESETS, the registry (formats.__all__)
 from .keynorm import compute_key_norm, fold_key_norm_into_attention
 from .ops import (
+    aqua_reconstruct,
     dequantize_groups,
     fwht,
     gemv_inner_q,
@@ -36,6 +37,7 @@ __all__ = [
     "decode_attention",
     "fold_key_norm_into_attention",
     "reference_decode_attention",
+    "aqua_reconstruct",
     "dequantize_groups",
     "fwht",
     "gemv_inner_q",

@@ -5,12 +5,13 @@ Commands:
   demo      run kvkernels.demo
   eval      perplexity of each KV format on a trained decoder LM over real text (kvkernels.quality; --help)
   backends  print which backends can run here
+  calibrate aqua   fit AQUA-KV's cross-layer predictors on a trained model (kvkernels.aqua; --help)
 """
 
 import importlib.util
 import sys
 
-COMMANDS = ("bench", "demo", "eval", "backends")
+COMMANDS = ("bench", "demo", "eval", "backends", "calibrate")
 
 
 def _usage() -> str:
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvkernels import quality
 
         return quality.main(rest)
+    if cmd == "calibrate":
+        from kvkernels import aqua
+
+        return aqua.main(rest)
     if cmd == "backends":
         import kvkernels
 

@@ -405,3 +405,52 @@ def check_lattice_values(op: str, x: torch.Tensor, group_size: int) -> None:
         _fail(op, "x contains NaN or Inf; quantizing it would poison its group's norm")
     if worst_rms > FP16_SCALE_LIMIT:
         _fail(op, f"a group's RMS reaches {worst_rms:.3g}; norms are fp16 and must stay below {FP16_SCALE_LIMIT:g}")
+
+
+# ---- AQUA-KV reconstruction: docs/FORMATS.md "AQUA-KV" ------------------------------------------------------------
+
+
+def _check_matrix(op: str, name: str, t, rows: int | None, dtype=None) -> None:
+    # a 2-D operand of a GEMM [rows, cols] (rows None: any), last dim contiguous, optionally of a given dtype
+    if t.dim() != 2:
+        _fail(op, f"{name} must be 2-D, got shape {list(t.shape)}")
+    check_dtype(op, name, t, FLOAT_ACTIVATIONS if dtype is None else dtype)
+    check_last_dim_contiguous(op, name, t)
+    if rows is not None and t.shape[0] != rows:
+        _fail(op, f"{name} must have {rows} rows, got shape {list(t.shape)}")
+
+
+def check_aqua_reconstruct(
+    prev, weight, bias, codes, norms, grid, group_size, signs=None, prev2=None, weight2=None
+) -> None:
+    """prev [T, C_in] @ weight [C, C_in]^T (+ prev2 [T, C_in2] @ weight2 [C, C_in2]^T) + bias fp32 [C] + the lattice
+    dequantization of codes int32 [T, C*bits/32] / norms fp16 [T, C/G]. The GEMM operands share one float dtype
+    (a tensor-core dot takes one input type)."""
+    op = "aqua_reconstruct"
+    check_tensors(op, prev=prev, weight=weight, bias=bias, codes=codes, norms=norms)
+    bits = check_lattice_grid(op, grid)
+    _check_matrix(op, "prev", prev, None)
+    T = prev.shape[0]
+    _check_matrix(op, "weight", weight, None, prev.dtype)
+    C, C_in = weight.shape
+    if prev.shape[1] != C_in:
+        _fail(op, f"prev [T, C_in] and weight [C, C_in] disagree on C_in: {list(prev.shape)} vs {list(weight.shape)}")
+    check_dtype(op, "bias", bias, torch.float32)
+    check_shape(op, "bias", bias, (C,))
+    check_lattice_group_size(op, group_size, C, "C (weight.shape[0])")
+    check_dtype(op, "codes", codes, torch.int32)
+    check_shape(op, "codes", codes, (T, C // BLOCK * bits))
+    check_last_dim_contiguous(op, "codes", codes)
+    _check_norms_signs(op, norms, (T, C // group_size), signs, group_size)
+    if (prev2 is None) != (weight2 is None):
+        _fail(op, "prev2 and weight2 come together (the second input of the value predictor): give both or neither")
+    if prev2 is not None:
+        check_tensors(op, prev2=prev2, weight2=weight2)
+        _check_matrix(op, "prev2", prev2, T, prev.dtype)
+        _check_matrix(op, "weight2", weight2, C, prev.dtype)
+        if prev2.shape[1] != weight2.shape[1]:
+            _fail(op, f"prev2 [T, C_in2] and weight2 [C, C_in2] disagree: {list(prev2.shape)} vs {list(weight2.shape)}")
+    check_same_device(
+        op, prev=prev, weight=weight, bias=bias, codes=codes, norms=norms, grid=grid, signs=signs, prev2=prev2,
+        weight2=weight2,
+    )  # fmt: skip

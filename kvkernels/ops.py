@@ -29,6 +29,7 @@ OPS = (
     "lattice_dequantize",
     "gemv_lattice_k",
     "gemv_lattice_v",
+    "aqua_reconstruct",
 )
 
 
@@ -47,6 +48,7 @@ _CHECKS = {
     "lattice_dequantize": V.check_lattice_dequantize,
     "gemv_lattice_k": V.check_gemv_lattice_k,
     "gemv_lattice_v": V.check_gemv_lattice_v,
+    "aqua_reconstruct": V.check_aqua_reconstruct,
 }
 
 
@@ -164,6 +166,10 @@ def _register_fakes() -> None:
     @fake("gemv_lattice_v")
     def _(p, codes, norms, grid, group_size, signs=None):
         return p.new_empty((*p.shape[:-1], codes.shape[-1] // lattice_bits(grid) * 32), dtype=torch.float32)
+
+    @fake("aqua_reconstruct")
+    def _(prev, weight, bias, codes, norms, grid, group_size, signs=None, prev2=None, weight2=None):
+        return prev.new_empty((prev.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 if HAS_C:
@@ -377,3 +383,29 @@ def gemv_lattice_v(
     if check_values:
         V.check_signs_values("gemv_lattice_v", signs)
     return torch.ops.kvkernels.gemv_lattice_v.default(p, codes, norms, grid, group_size, signs)
+
+
+def aqua_reconstruct(
+    prev: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    codes: torch.Tensor,
+    norms: torch.Tensor,
+    grid: torch.Tensor,
+    group_size: int,
+    signs: torch.Tensor | None = None,
+    prev2: torch.Tensor | None = None,
+    weight2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """AQUA-KV reconstruction of T tokens: ((prev @ weight^T + prev2 @ weight2^T) + bias) + deq(codes, norms), fp32.
+
+    prev [T, C_in] and weight [C, C_in] in one float dtype (prev2 [T, C_in2] / weight2 [C, C_in2] likewise, both or
+    neither: the value predictor's [k_hat ; v_prev_hat] input as two accumulating GEMMs); bias fp32 [C]; codes int32
+    [T, C*bits/32] and norms fp16 [T, C/G] of the lattice-quantized residual (grid, group_size, signs as
+    lattice_dequantize). Returns fp32 [T, C]. No value checks (no sync): non-finite inputs give non-finite rows.
+    """
+    require_c("aqua_reconstruct")
+    V.check_aqua_reconstruct(prev, weight, bias, codes, norms, grid, group_size, signs, prev2, weight2)
+    return torch.ops.kvkernels.aqua_reconstruct.default(
+        prev, weight, bias, codes, norms, grid, group_size, signs, prev2, weight2
+    )

@@ -461,6 +461,36 @@ def gemv_lattice_v_cases(draw):
     return _lattice_gemv_case(draw, "gemv_lattice_v")
 
 
+@st.composite
+def aqua_reconstruct_cases(draw):
+    bits, group, grid, signs = _lattice_scalars(draw)
+    T, C = draw(st.sampled_from((0, 1, 3, 5, 17))), _lattice_length(draw, group)
+    C = min(C, 256)  # the oracle's float64 GEMM stays small; 1024-groups still come through C = 0
+    dtype = draw(st.sampled_from(FLOAT_X))  # one dtype for every GEMM operand
+
+    def operand(shape):
+        return _float_spec(draw, shape, dtypes=(dtype,))
+
+    C_in = draw(st.sampled_from((1, 3, 16, 33, 64)))
+    args = {
+        "prev": operand((T, C_in)),
+        "weight": operand((C, C_in)),
+        "bias": _float_spec(draw, (C,), dtypes=(torch.float32,)),
+        "codes": _codes_spec(draw, (T, C // 32 * bits)),
+        "norms": _scale_spec(draw, (T, C // group)),
+        "grid": grid,
+        "group_size": group,
+        "signs": signs,
+        "prev2": None,
+        "weight2": None,
+    }
+    if draw(st.booleans()):
+        C_in2 = draw(st.sampled_from((1, 16, 40)))
+        args["prev2"], args["weight2"] = operand((T, C_in2)), operand((C, C_in2))
+    case = Case("aqua_reconstruct", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, LATTICE_BAD, optional=("signs", "prev2", "weight2"))
+
+
 CASES = {
     "pack_bits": pack_bits_cases,
     "unpack_bits": unpack_bits_cases,
@@ -474,6 +504,7 @@ CASES = {
     "lattice_dequantize": lattice_dequantize_cases,
     "gemv_lattice_k": gemv_lattice_k_cases,
     "gemv_lattice_v": gemv_lattice_v_cases,
+    "aqua_reconstruct": aqua_reconstruct_cases,
 }
 
 
@@ -726,6 +757,24 @@ def check_gemv_lattice_v(p, codes, norms, grid, G, signs, got):
     _assert_within(got, want, mag, (N + math.log2(G) + 4) * EPS32, "gemv_lattice_v", gate)
 
 
+def check_aqua_reconstruct(prev, weight, bias, codes, norms, grid, G, signs, prev2, weight2, got):
+    """float64 ((prev @ W^T + prev2 @ W2^T) + bias) + deq. The fp32 path sums C_in (+ C_in2) products per output
+    and adds the bias and the dequantized residual (log2(G) butterfly roundings of its group's magnitude sum):
+    bounded by (C_in + C_in2 + log2 G + 8) roundings of sum |prev W| + |bias| + sum |r16 grid| / sqrt(G)."""
+    x, w = prev.double(), weight.double()
+    if prev2 is not None:
+        x, w = torch.cat([x, prev2.double()], 1), torch.cat([w, weight2.double()], 1)
+    T, C = prev.shape[0], weight.shape[0]
+    v, v_abs = _lattice_points64(codes, norms, grid, G)  # [T, groups, G]
+    deq = ((v @ _hadamard64(G)) * _signs64(signs, G)).reshape(T, C)
+    deq_gate = v_abs.sum(-1, keepdim=True).expand(v.shape).reshape(T, C)  # every butterfly partial sum
+    want = x @ w.T + bias.double() + deq
+    gemm_mag = x.abs() @ w.abs().T + bias.double().abs()
+    mag = gemm_mag + deq_gate / math.sqrt(G) * _signs64(signs, G).abs().repeat(C // G)
+    assert got.shape == (T, C), (got.shape, (T, C))
+    _assert_within(got, want, mag, (x.shape[1] + math.log2(G) + 8) * EPS32, "aqua_reconstruct", mag + deq_gate)
+
+
 def check_result(op, a, got, before, backend="cpu"):
     """The output of a successful call (a: the built arguments by name) against the reference."""
     if op == "pack_bits":
@@ -765,6 +814,8 @@ def check_result(op, a, got, before, backend="cpu"):
         check_gemv_lattice_k(*(a[k] for k in ("q", "codes", "norms", "grid", "group_size", "signs")), got)
     elif op == "gemv_lattice_v":
         check_gemv_lattice_v(*(a[k] for k in ("p", "codes", "norms", "grid", "group_size", "signs")), got)
+    elif op == "aqua_reconstruct":
+        check_aqua_reconstruct(*(a[k] for k in _ARG_NAMES[op]), got)
     else:
         raise AssertionError(f"no oracle for {op}")
 
@@ -907,6 +958,18 @@ _ARG_NAMES = {
     "lattice_dequantize": ("codes", "norms", "grid", "group_size", "signs"),
     "gemv_lattice_k": ("q", "codes", "norms", "grid", "group_size", "signs"),
     "gemv_lattice_v": ("p", "codes", "norms", "grid", "group_size", "signs"),
+    "aqua_reconstruct": (
+        "prev",
+        "weight",
+        "bias",
+        "codes",
+        "norms",
+        "grid",
+        "group_size",
+        "signs",
+        "prev2",
+        "weight2",
+    ),
 }
 
 
@@ -1046,6 +1109,7 @@ def _quant_into_args():
         ("lattice_dequantize", 1, "norms"),
         ("gemv_lattice_k", 0, "q"),
         ("gemv_lattice_v", 3, "grid"),
+        ("aqua_reconstruct", 2, "bias"),
     ],
 )
 def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
@@ -1068,6 +1132,18 @@ def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
         "lattice_dequantize": [codes[:, :2], scales[:, :1], torch.zeros(16, 2), G, None],
         "gemv_lattice_k": [gx, gemv_codes[..., :4], gemv_scales, torch.zeros(16, 2), G, None],
         "gemv_lattice_v": [gx, gemv_codes[..., :4], gemv_scales, torch.zeros(16, 2), G, None],
+        "aqua_reconstruct": [
+            gx[0],
+            torch.zeros(64, 64),
+            torch.zeros(64),
+            gemv_codes[0, 0, :2, :4],
+            gemv_scales[0, 0, :2, :1],
+            torch.zeros(16, 2),
+            G,
+            None,
+            None,
+            None,
+        ],
     }
     args = [(_meta(a) if device == "meta" else a) if isinstance(a, torch.Tensor) else a for a in calls[op]]
     args[position] = None

@@ -113,6 +113,22 @@ def _opcheck_cases():
         ),
         "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (kx, kcodes, kscales, kzeros, 2, 32)),
         **_lattice_opcheck_cases(),
+        **_aqua_opcheck_cases(),
+    }
+
+
+def _aqua_opcheck_cases():
+    # AQUA-KV reconstruction, with the value predictor's second input (tests/test_aqua_ops.py has the sweep)
+    from kvkernels.formats.lattice_grids import grid
+
+    g = grid(2, 16)
+    codes, norms = reference.lattice_quantize(torch.randn(5, 128), g, 64)
+    prev, w, prev2, w2 = torch.randn(5, 96), torch.randn(128, 96), torch.randn(5, 128), torch.randn(128, 128)
+    return {
+        "aqua_reconstruct": (
+            torch.ops.kvkernels.aqua_reconstruct.default,
+            (prev, w, torch.randn(128), codes, norms, g, 64, None, prev2, w2),
+        ),
     }
 
 

@@ -3,12 +3,14 @@
 Runs on CUDA, and on CPU under TRITON_INTERPRET=1, which is how CI tests it.
 """
 
+from .aqua import aqua_reconstruct
 from .gemv_inner_q import gemv_inner_q
 from .gemv_kivi import gemv_kivi
 from .lattice import fwht, gemv_lattice_k, gemv_lattice_v, lattice_dequantize, lattice_quantize
 from .quantize import dequantize_groups, quantize_groups, quantize_groups_into
 
 __all__ = [
+    "aqua_reconstruct",
     "dequantize_groups",
     "fwht",
     "gemv_inner_q",

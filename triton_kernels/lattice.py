@@ -307,6 +307,29 @@ def _lattice_quantize_kernel(
 
 
 @triton.jit
+def dequantize_group(
+    codes_ptr, norms_ptr, grid_ptr, signs_ptr, c_row, n_row, r_ok, g,
+    GROUP: tl.constexpr, LOG_G: tl.constexpr, INV_SQRT_G: tl.constexpr, DIM: tl.constexpr, IDX_BITS: tl.constexpr,
+    HAS_SIGNS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Group g of BLOCK_ROWS rows dequantized, s * H_n (r16 * grid[c]): fp32 [BLOCK_ROWS, GROUP]. c_row / n_row: int64
+    offsets of each row's codes / norms; r_ok: which rows exist (the others read as norm 0). Used by
+    lattice_dequantize and by aqua_reconstruct's epilogue."""
+    IPB: tl.constexpr = 32 // DIM
+    WORDS: tl.constexpr = IDX_BITS // DIM
+    NBLK: tl.constexpr = GROUP // 32
+    blk = g * NBLK + tl.arange(0, NBLK)
+    c_ptrs = codes_ptr + c_row[:, None] + blk[None, :] * WORDS
+    idx = _unpack_indices(c_ptrs, r_ok[:, None], IDX_BITS, IPB)  # [BLOCK_ROWS, NBLK, IPB]
+    r16 = tl.load(norms_ptr + n_row + g, mask=r_ok, other=0.0)
+    v = tl.reshape(_grid_rows(grid_ptr, idx, DIM), (BLOCK_ROWS, GROUP)) * r16.to(tl.float32)[:, None]
+    x = _hadamard(v, BLOCK_ROWS, GROUP, LOG_G, INV_SQRT_G)
+    if HAS_SIGNS:
+        x = x * _signs_row(signs_ptr, GROUP)
+    return x
+
+
+@triton.jit
 def _lattice_dequantize_kernel(
     # pointers
     codes_ptr,  # int32 [D0, D1, D2, C * WORDS / 32]
@@ -335,21 +358,15 @@ def _lattice_dequantize_kernel(
     HAS_SIGNS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
-    IPB: tl.constexpr = 32 // DIM
-    WORDS: tl.constexpr = IDX_BITS // DIM
-    NBLK: tl.constexpr = GROUP // 32
     pid_r = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_r.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     r_ok = rows < n_rows
-    blk = g * NBLK + tl.arange(0, NBLK)
-    c_ptrs = codes_ptr + _row_offsets(rows, D1, D2, sc0, sc1, sc2)[:, None] + blk[None, :] * WORDS
-    idx = _unpack_indices(c_ptrs, r_ok[:, None], IDX_BITS, IPB)  # [BLOCK_ROWS, NBLK, IPB]
-    r16 = tl.load(norms_ptr + _row_offsets(rows, D1, D2, sn0, sn1, sn2) + g, mask=r_ok, other=0.0)
-    v = tl.reshape(_grid_rows(grid_ptr, idx, DIM), (BLOCK_ROWS, GROUP)) * r16.to(tl.float32)[:, None]
-    x = _hadamard(v, BLOCK_ROWS, GROUP, LOG_G, INV_SQRT_G)
-    if HAS_SIGNS:
-        x = x * _signs_row(signs_ptr, GROUP)
+    c_row, n_row = _row_offsets(rows, D1, D2, sc0, sc1, sc2), _row_offsets(rows, D1, D2, sn0, sn1, sn2)
+    x = dequantize_group(
+        codes_ptr, norms_ptr, grid_ptr, signs_ptr, c_row, n_row, r_ok, g,
+        GROUP, LOG_G, INV_SQRT_G, DIM, IDX_BITS, HAS_SIGNS, BLOCK_ROWS,
+    )  # fmt: skip
     col = g * GROUP + tl.arange(0, GROUP)
     tl.store(out_ptr + rows[:, None] * C + col[None, :], x, mask=r_ok[:, None])
 

@@ -1,6 +1,6 @@
 """KV cache formats: one module per format behind one protocol (kvkernels.formats.base.Format), and their registry.
 
-Each format module (innerq.py, kivi.py, xquant.py, lattice.py, specache.py) holds its config dataclass,
+Each format module (innerq.py, kivi.py, xquant.py, lattice.py, specache.py, aqua.py) holds its config dataclass,
 its layer cache (a QuantizedLayerCache subclass: stores, append rules, the attention hooks) and a Format instance
 naming them; the registry below maps format names, config types and preset names to formats. Attention, the
 model-level cache, the demo, the bench and the transformers integration go through the registry and never name a
@@ -16,7 +16,7 @@ format, so a new format is one module (+ its kernels and tests) and one `registe
 
 import torch
 
-from . import innerq, kivi, lattice, specache, xquant
+from . import aqua, innerq, kivi, lattice, specache, xquant
 from .base import MODES, SUPPORTED_BITS, EffectiveBits, Format, QuantizedLayerCache, QuantStore, stores_zeros
 from .innerq import InnerQConfig, InnerQLayerCache
 from .kivi import KIVIConfig, KIVILayerCache
@@ -107,6 +107,7 @@ register(kivi.FORMAT)
 register(xquant.FORMAT)
 register(lattice.FORMAT)
 register(specache.FORMAT)
+register(aqua.FORMAT)  # no presets: its configs need calibrated predictors (KVKernelsCache("aqua", predictors=))
 
 __all__ = [
     "MODES",

@@ -117,6 +117,8 @@ _CACHE_OPTIONS = ("capacity", "fused", "max_fused_q_len", "key_norm_factors", "r
 
 def method_config(method: str, **overrides):
     """The config of preset `method` with overrides applied (None for "fp16", which ignores quantization overrides).
+    `method` may also name a format that has no presets (its default config + overrides, e.g. "aqua" with
+    predictors=PATH).
 
     Overrides are the config's fields (InnerQConfig: key_bits, key_mode, value_bits, value_mode, group_size,
     w_sink, w_recent, key_norm, eta; KIVIConfig: bits, group_size, residual, eta, w_sink), plus each format's
@@ -126,7 +128,13 @@ def method_config(method: str, **overrides):
     if method == "fp16":
         return None
     if method not in PRESETS:  # read now, not at import: formats registered later count
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join((*PRESETS, 'fp16'))}")
+        # a format whose configs need an argument no preset can carry (AQUA-KV's predictors) is named by its
+        # format name, with that argument as an override: KVKernelsCache("aqua", predictors=PATH)
+        fmt = next((f for f in all_formats() if f.name == method and not f.presets), None)
+        if fmt is not None:
+            return fmt.apply_overrides(fmt.config_type(), overrides, label=method)
+        others = [f.name for f in all_formats() if not f.presets]
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join((*PRESETS, 'fp16', *others))}")
     return preset_format(method).apply_overrides(PRESETS[method], overrides, label=method)
 
 

@@ -1,5 +1,6 @@
 """Pure-PyTorch reference backend: the executable spec of every kvkernels op, and the CPU fallback."""
 
+from .aqua import aqua_reconstruct
 from .gemv import gemv_inner_q, gemv_kivi
 from .lattice import (
     fwht,
@@ -23,6 +24,7 @@ def quantize_groups_into(x, bits, group_size, mode, eta, codes, scales, zeros) -
 
 
 __all__ = [
+    "aqua_reconstruct",
     "dequantize_groups",
     "fwht",
     "gemv_inner_q",

@@ -1,0 +1,216 @@
+"""The AQUA-KV cache format (kvkernels.formats.aqua): block commit, sinks, first-layer quantizer, encode/decode bitwise
+consistency over 30 layers, reconstruction quality against the backbone alone, attention, accounting, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvkernels import aqua
+from kvkernels.cache import ModelKVCache
+from kvkernels.formats import effective_bits, get_format
+from kvkernels.formats.aqua import AquaConfig, reconstruct_from_codes
+
+H, D = 3, 64  # SmolLM2-135M's KV shape: C = 192 channels per token
+C = H * D
+INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+
+
+def _random_predictors(layers, seed=0, bits=2):
+    """Predictors with random weights of spectral norm < 1, so 30 layers of reconstructions stay bounded."""
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(n_in):
+        q, _ = torch.linalg.qr(torch.randn(n_in, n_in, generator=g))
+        return 0.6 * q[:C] if n_in > C else 0.6 * q
+
+    preds = [None] + [
+        aqua.LayerPredictors(mat(C), 0.1 * torch.randn(C, generator=g), mat(2 * C), 0.1 * torch.randn(C, generator=g))
+        for _ in range(1, layers)
+    ]
+    backbone = dataclasses.asdict(aqua.Backbone(bits=bits))
+    return aqua.AquaPredictors(preds, INV_FREQ, 1.0, model={}, settings={"backbone": backbone})
+
+
+def _fill(cache: ModelKVCache, steps, seed=0, B=1, layers=None):
+    """Append random post-RoPE K/V in the given step sizes to every layer in order; record each layer's last
+    committed chunk reconstruction (the encode path's output handed to the layer above) as it appears."""
+    g = torch.Generator().manual_seed(seed)
+    L = cache.num_layers
+    seen = [[] for _ in range(L)]
+    for n in steps:
+        for l in range(L):
+            k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+            before = cache.layer(l)._last if cache.layer(l) is not None else None
+            cache.append(l, k, v)
+            last = cache.layer(l)._last
+            if last is not None and last is not before:
+                seen[l].append(last)
+    return seen
+
+
+def test_encode_and_decode_agree_bitwise_over_30_layers():
+    cfg = AquaConfig(predictors=_random_predictors(30))
+    cache = ModelKVCache(cfg, num_layers=30, capacity=64)
+    seen = _fill(cache, [200] + [1] * 130)  # a prefill commit (196 tokens), then a decode commit (128)
+    layers = [cache.layer(l) for l in range(30)]
+    assert layers[0].chunks == [(0, 196), (196, 324)] and all(c.chunks == layers[0].chunks for c in layers)
+    decoded = reconstruct_from_codes(layers)
+    for l, layer in enumerate(layers):
+        # the encode path's reconstructions, concatenated per token ([B * n, C] rows per chunk, B = 1)
+        k_enc = torch.cat([s[2] for s in seen[l]])
+        v_enc = torch.cat([s[3] for s in seen[l]])
+        assert torch.equal(decoded[l][0], k_enc) and torch.equal(decoded[l][1], v_enc), f"layer {l}"
+        # and what attention reads is that reconstruction, re-rotated, in the cache dtype
+        k_rec = layer._k_rec.view()
+        pos = torch.arange(4, 4 + 324)
+        want = aqua.rope(k_enc.reshape(1, 324, H, D).permute(0, 2, 1, 3), pos, INV_FREQ).to(k_rec.dtype)
+        assert torch.equal(k_rec, want)
+    assert decoded[29][0].isfinite().all() and decoded[29][0].abs().max() < 100  # bounded after 30 layers
+
+
+def test_block_commit_sinks_and_first_layer_bits():
+    cfg = AquaConfig(predictors=_random_predictors(3))
+    cache = ModelKVCache(cfg, num_layers=3)
+    g = torch.Generator().manual_seed(1)
+    k0 = torch.randn(1, H, 3, D, generator=g)
+    for l in range(3):
+        cache.append(l, k0, k0)
+    c0 = cache.layer(0)
+    assert c0.token_counts()["sink"] == 3 and c0.chunks == []
+    _fill(cache, [126])  # 1 more sink, 125 in the tail: no commit yet
+    assert c0.n_sink == 4 and c0.key_tail.shape[2] == 125 and c0.key_store.n == 0
+    _fill(cache, [1, 1])  # 127 tail tokens: still fp16
+    assert c0.key_tail.shape[2] == 127 and c0.chunks == []
+    _fill(cache, [1])  # the tail reaches 128: committed whole
+    assert c0.key_tail.shape[2] == 0 and c0.key_store.n == 128 and c0.chunks == [(0, 128)]
+    assert torch.equal(c0.sink_keys[:, :, :3], k0)  # sinks stay in the cache dtype, never quantized
+    assert c0.key_store.bits == 4 and cache.layer(1).key_store.bits == 2 and cache.layer(2).value_store.bits == 2
+    assert c0.seq_len == 4 + 128
+
+
+def test_cache_beats_its_backbone_on_predictable_kv():
+    # K/V whose layers depend linearly on the layer below, calibrated with Alg. 1, then fed through the cache as a
+    # model would (post-RoPE keys): the cache's reconstruction error is well below the backbone's at the same bits
+    g = torch.Generator().manual_seed(3)
+    L, N = 4, 1200
+    kv = []
+    k, v = torch.randn(N, C, generator=g), torch.randn(N, C, generator=g)
+    for l in range(L):
+        if l:
+            k = k @ (torch.randn(C, C, generator=g) / C**0.5) + 0.2 * torch.randn(N, C, generator=g) + 1.0
+            v = torch.cat([k, v], 1) @ (torch.randn(2 * C, C, generator=g) / (2 * C) ** 0.5)
+            v = v + 0.2 * torch.randn(N, C, generator=g)
+        kv.append((k, v))
+    train = [(k[:1000], v[:1000]) for k, v in kv]
+    layers, _ = aqua.calibrate_on_kv(train, None, aqua.CalibrationSettings(), progress=False)
+    settings = {"backbone": dataclasses.asdict(aqua.Backbone())}
+    preds = aqua.AquaPredictors(layers, INV_FREQ, 1.0, model={}, settings=settings)
+    cache = ModelKVCache(AquaConfig(predictors=preds), num_layers=L)
+    n = 4 + 196
+    pos = torch.arange(n)
+    for l, (k, v) in enumerate(kv):
+        k_pre = k[1000 : 1000 + n].reshape(1, n, H, D).permute(0, 2, 1, 3)
+        cache.append(l, aqua.rope(k_pre, pos, INV_FREQ), v[1000 : 1000 + n].reshape(1, n, H, D).permute(0, 2, 1, 3))
+    from kvkernels.formats.lattice import LatticeConfig
+
+    lat = ModelKVCache(LatticeConfig(bits=2, w_sink=4, w_recent=0), num_layers=L)
+    for l, (k, v) in enumerate(kv):
+        k_post = aqua.rope(k[1000 : 1000 + n].reshape(1, n, H, D).permute(0, 2, 1, 3), pos, INV_FREQ)
+        v_heads = v[1000 : 1000 + n].reshape(1, n, H, D).permute(0, 2, 1, 3)
+        lat.append(l, k_post, v_heads)
+        got_k, got_v = cache.layer(l).dequantized()
+        base_k, base_v = lat.layer(l).dequantized()
+        err_k, base_err_k = aqua.rel_mse(got_k, k_post), aqua.rel_mse(base_k, k_post)
+        err_v, base_err_v = aqua.rel_mse(got_v, v_heads), aqua.rel_mse(base_v, v_heads)
+        if l == 0:  # 4-bit layer 0 vs the 2-bit backbone
+            assert err_k < base_err_k / 4
+        else:
+            assert err_k < base_err_k / 3 and err_v < base_err_v, (l, err_k, base_err_k, err_v, base_err_v)
+
+
+def test_attention_reads_the_reconstruction():
+    cache = ModelKVCache(AquaConfig(predictors=_random_predictors(2)), num_layers=2)
+    _fill(cache, [140, 3])
+    layer = cache.layer(1)
+    q = torch.randn(1, 9, 2, D)
+    k, v = layer.dequantized()
+    assert k.shape[2] == 4 + 136 + 3 and layer.key_tail.shape[2] == 3
+    got = layer.attention(q)
+    want = _sdpa(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _sdpa(q, k, v):
+    ratio = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(ratio, 1), v.repeat_interleave(ratio, 1)
+    T, N = q.shape[2], k.shape[2]
+    mask = torch.ones(T, N, dtype=torch.bool).tril(N - T)
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
+
+
+def test_memory_and_bits():
+    cache = ModelKVCache(AquaConfig(predictors=_random_predictors(2)), num_layers=2)
+    _fill(cache, [132])
+    mem = cache.layer(1).memory_bytes()
+    codes_per_token = C * 2 // 8 + C // 64 * 2  # 2-bit codes + one fp16 norm per group of 64, per tensor
+    assert mem["quantized"] == 2 * 128 * codes_per_token
+    esize = cache.layer(1).dtype.itemsize  # the cache dtype (fp32 here: ModelKVCache takes the first K/V's)
+    assert mem["reconstruction"] == 2 * 128 * C * esize  # K and V of the committed tokens (mode b)
+    assert mem["total"] == mem["quantized"] + mem["window"] + mem["reconstruction"]
+    eb = effective_bits(AquaConfig(), num_layers=28)  # the paper's Table 2 formula, HIGGS G -> our G = 64
+    assert eb.average == pytest.approx((27 * (2 + 16 / 64) + (4 + 16 / 64)) / 28)
+    assert get_format("aqua").presets == {}
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="needs calibrated predictors"):
+        ModelKVCache(AquaConfig(), num_layers=2).append(0, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D))
+    with pytest.raises(ValueError, match="another backbone.*bits: 3, 2"):
+        ModelKVCache(AquaConfig(predictors=_random_predictors(2, bits=3)), num_layers=2).append(
+            0, torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+        )
+    with pytest.raises(ValueError, match="192 channels per token"):
+        ModelKVCache(AquaConfig(predictors=_random_predictors(2)), num_layers=2).append(
+            0, torch.randn(1, 2, 1, D), torch.randn(1, 2, 1, D)
+        )
+    cache = ModelKVCache(AquaConfig(predictors=_random_predictors(2)), num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, H, 140, D, generator=g)
+    with pytest.raises(RuntimeError, match="appended in order"):
+        cache.append(1, k, k)  # layer 1 commits before layer 0 has
+    with pytest.raises(ValueError, match="bits must be one of"):
+        AquaConfig(bits=1)
+    with pytest.raises(ValueError, match="predictors must be"):
+        AquaConfig(predictors=3)
+
+
+def test_predictor_file_roundtrip_through_the_config(tmp_path):
+    preds = _random_predictors(2)
+    preds.inv_freq = INV_FREQ
+    path = preds.save(tmp_path / "p.safetensors")
+    a = ModelKVCache(AquaConfig(predictors=str(path)), num_layers=2)
+    b = ModelKVCache(AquaConfig(predictors=preds), num_layers=2)
+    _fill(a, [140], seed=5)
+    _fill(b, [140], seed=5)
+    for l in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(a.layer(l).dequantized(), b.layer(l).dequantized(), strict=True))
+
+
+def test_kvkernels_cache_by_format_name_in_generate():
+    # the format has no presets (a preset cannot carry predictors): KVKernelsCache takes its name + predictors=
+    from cache_helpers import tiny_llama
+
+    from kvkernels.integrations.transformers import KVKernelsCache, method_config
+
+    model = tiny_llama(head_dim=D, layers=3, heads=6, kv_heads=H)
+    preds = _random_predictors(3)
+    assert method_config("aqua", predictors=preds) == AquaConfig(predictors=preds, block=128)
+    cache = KVKernelsCache("aqua", config=model.config, predictors=preds, block=32)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False)
+    assert out.shape == (1, 110) and cache.paths["fused"] == 3 * 39
+    assert cache.layers[1].cache.chunks[-1][1] > 70  # decode steps committed chunks too
+    with pytest.raises(ValueError, match="unknown method 'aqua2'"):
+        method_config("aqua2")
