@@ -1,8 +1,8 @@
 """SpeCache's two-row decode loop (arXiv 2503.16163, Algorithms 2-3), for generate() and for teacher-forced evaluation.
 
-A speculative format (Format.speculative_decode(config), e.g. kvkernels.formats.specache) chooses the next step's prefetched
-tokens from the attention of the last query row. Fed one token per step, that row is the current token, so the
-choice lags a step. This loop feeds two rows per step instead:
+A speculative format (Format.speculative_decode(config), e.g. kvkernels.formats.specache) chooses the next step's
+prefetched tokens from the attention of the last query row. Fed one token per step, that row is the current token,
+so the choice lags a step. This loop feeds two rows per step instead:
 
     prefill       the prompt (SDPA, exact; or the part of it the cache does not hold yet); its last logits give T_1
     pre-decode    [T_1] as a speculative row: its attention picks the first top-k set, its logits the guess T'_2;
