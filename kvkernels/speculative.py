@@ -24,8 +24,10 @@ Use with generate():
 
 (an unpadded batch; the model on attn_implementation="kvkernels"); generate_kwargs(cache) gives those extra
 arguments for any cache, and kvkernels.integrations.transformers.generate_with_method passes them. Not supported:
-padded batches, beam search, assisted decoding, returning attentions / hidden states. return_dict_in_generate
-returns sequences, scores / logits if asked, and the cache.
+padded batches, beam search and prompt-lookup decoding (errors), assisted decoding (transformers drops
+assistant_model before a custom_generate callable sees it), returning attentions / hidden states, and streamers
+(transformers 5.23 does not forward `streamer` to a custom_generate callable; specache_decode(model, ...) called
+directly does stream). return_dict_in_generate returns sequences, scores / logits if asked, and the cache.
 """
 
 from __future__ import annotations
@@ -113,6 +115,12 @@ def specache_decode(
         raise NotImplementedError("the speculative decode loop does not support synced_gpus")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise NotImplementedError("the speculative decode loop does not return attentions or hidden states")
+    # generate() hands a custom_generate callable any mode's configuration: refuse what this loop would silently
+    # turn into greedy / sampling per row (transformers drops assistant_model for callables before we see it)
+    if (generation_config.num_beams or 1) > 1:
+        raise NotImplementedError("the speculative decode loop does not do beam search (num_beams > 1)")
+    if generation_config.prompt_lookup_num_tokens is not None:
+        raise NotImplementedError("the speculative decode loop does not do prompt-lookup / assisted decoding")
     past = cache.get_seq_length()  # a cache may hold the prompt's first tokens already (one prompt per cache)
     if past >= input_ids.shape[1]:
         raise ValueError(f"the cache holds {past} tokens but the prompt has only {input_ids.shape[1]}")

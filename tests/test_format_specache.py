@@ -235,47 +235,59 @@ def test_host_store_grows_and_gathers():
     for lo in range(0, 50, 7):
         host.append(k[:, :, lo : lo + 7], v[:, :, lo : lo + 7])
     assert host.n == 50 and host.capacity >= 50
-    assert torch.equal(host.k[:, :, :50], k) and torch.equal(host.v[:, :, :50], v)
+    assert torch.equal(host.view()[0], k) and torch.equal(host.view()[1], v)
+    assert host.k[:50].is_contiguous() and host.k.shape[0] == host.capacity  # token-major: a step is one block
     idx = torch.tensor([[[3, 49, -1]] * 3] * 2)
-    rows = gather_rows(host.k[:, :, :50], idx)
+    rows = gather_rows(host.k[:50], idx)
     assert torch.equal(rows[..., :2, :], k[:, :, [3, 49]]) and (rows[..., 2, :] == 0).all()
 
 
 class RecordingStreams(SyncStreams):
-    """The stream API with a log, to check the order of the prefetcher's stream operations."""
+    """The stream API with a log naming streams and events, to check the order of the prefetcher's operations and
+    which stream each happens on."""
 
     def __init__(self):
         self.log = []
-        self.names = iter(f"e{i}" for i in range(100))
+        self.events = iter(f"e{i}" for i in range(100))
+        self.streams = iter(f"side{i}" for i in range(100))
+        self.compute = self._stream("compute")
+        self.active = "compute"
 
-    def new_stream(self):
-        log, name = self.log, f"s{len(self.log)}"
+    def _stream(self, name):
+        log = self.log
 
         class S:
             def wait_event(self, e):
                 log.append((name, "wait", e.name))
 
-        return S()
+        st = S()
+        st.name = name
+        return st
+
+    def new_stream(self):
+        return self._stream(next(self.streams))
 
     def current_stream(self):
-        return self._current if hasattr(self, "_current") else self._make_current()
+        return self.compute if self.active == "compute" else self._stream(self.active)
 
-    def _make_current(self):
-        log = self.log
+    def use(self, stream):
+        outer = self
 
-        class S:
-            def wait_event(self, e):
-                log.append(("compute", "wait", e.name))
+        class Use:
+            def __enter__(self):
+                outer.prev, outer.active = outer.active, stream.name
 
-        self._current = S()
-        return self._current
+            def __exit__(self, *exc):
+                outer.active = outer.prev
+
+        return Use()
 
     def new_event(self):
-        log, name = self.log, next(self.names)
+        log, name = self.log, next(self.events)
 
         class E:
             def record(self, stream=None):
-                log.append((name, "record"))
+                log.append((name, "record on", stream.name))
 
             def synchronize(self):
                 log.append((name, "synchronize"))
@@ -285,11 +297,11 @@ class RecordingStreams(SyncStreams):
         return e
 
     def to_host(self, t):
-        self.log.append(("copy", "to_host"))
+        self.log.append(("copy to host on", self.active))
         return t.to("cpu")
 
     def to_device(self, t, device):
-        self.log.append(("copy", "to_device"))
+        self.log.append(("copy to device on", self.active))
         return t.to(device)
 
 
@@ -301,22 +313,21 @@ def test_prefetcher_orders_streams():
     idx = torch.tensor([[[1, 5]]])
     pf.start(host, idx)
     got = pf.take()
-    assert torch.equal(got[1], host.k[:, :, [1, 5]]) and torch.equal(got[0], idx)
-    log = [e for e in streams.log]
-    side = log[1][0] if log[1][1] == "wait" else None
-    # chosen recorded on compute -> side waits for it -> idx to host, recorded, synchronized -> rows to device ->
-    # ready recorded on side -> compute waits for ready
-    assert log == [
-        ("e0", "record"),
-        (side, "wait", "e0"),
-        ("copy", "to_host"),
-        ("e1", "record"),
+    assert torch.equal(got[1], host.view()[0][:, :, [1, 5]]) and torch.equal(got[0], idx)
+    # chosen recorded on the compute stream -> the side stream waits for it -> idx to host on the side stream, its
+    # event synchronized by the worker -> rows to the device on the side stream -> ready recorded there -> the
+    # compute stream waits for ready
+    assert streams.log == [
+        ("e0", "record on", "compute"),
+        ("side0", "wait", "e0"),
+        ("copy to host on", "side0"),
+        ("e1", "record on", "side0"),
         ("e1", "synchronize"),
-        ("copy", "to_device"),
-        ("copy", "to_device"),
-        ("e2", "record"),
+        ("copy to device on", "side0"),
+        ("copy to device on", "side0"),
+        ("e2", "record on", "side0"),
         ("compute", "wait", "e2"),
-    ], log
+    ], streams.log
     assert pf.take() is None
 
 
@@ -328,14 +339,17 @@ def test_crop_and_reorder_keep_host_and_override_consistent():
     c, K, V = filled(topk=10_000)
     _, K, V, _ = step(c, K, V, seed=5)
     c.crop(150)
-    assert c.host.n == 150 and torch.equal(c.host.k[:, :, :150], K[:, :, :150])
+    assert c.host.n == 150 and torch.equal(c.host.view()[0], K[:, :, :150])
     _, K2, V2, _ = step(c, K[:, :, :150], V[:, :, :150], seed=7)
     assert int(c.override_idx.max()) < 150  # chosen before the crop: positions past it were emptied
     _, K2, V2, _ = step(c, K2, V2, seed=8)
     c.reorder([1, 0])
     out, K3, V3, q = step(c, K2.flip(0), V2.flip(0), seed=9)
     torch.testing.assert_close(out, reference_decode_attention(q, *c.dequantized()), atol=2e-6, rtol=0)
-    assert torch.equal(c.host.k[:, :, : c.host.n], K3)
+    assert torch.equal(c.host.view()[0], K3)
+    c.batch_select([1])
+    c.batch_repeat_interleave(2)
+    assert torch.equal(c.host.view()[1], V3[[1, 1]]) and c.override_idx.shape[0] == 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -405,6 +419,12 @@ def test_generate_errors(model):
     cache = KVKernelsCache("specache1", config=model.config)
     with pytest.raises(NotImplementedError, match="padded"):
         model.generate(ids, attention_mask=mask, past_key_values=cache, custom_generate=specache_decode)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(ids, past_key_values=KVKernelsCache("specache1", config=model.config), num_beams=2,
+                       custom_generate=specache_decode)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="prompt-lookup"):
+        model.generate(ids, past_key_values=KVKernelsCache("specache1", config=model.config),
+                       prompt_lookup_num_tokens=3, custom_generate=specache_decode)  # fmt: skip
     sdpa = tiny_llama(layers=2, attn="sdpa")
     with pytest.raises(ValueError, match="attn_implementation='kvkernels'"):
         sdpa.generate(
@@ -484,7 +504,7 @@ def test_cuda_prefetch_matches_cpu():
     for device in ("cpu", "cuda"):
         cfg = SpeCacheConfig(**SMALL, topk=16)
         c = make_cache(cfg, B=B, H=H, D=D, capacity=16, dtype=torch.float16, device=device)
-        assert c.host.k.is_pinned() == (device == "cuda")
+        assert c.host.k.is_pinned() == (device == "cuda")  # capacity 16: the prefill grows the host copy
         k, v = kv(B, H, 300, D)
         c.prefill(k.half().to(device), v.half().to(device))
         g = torch.Generator().manual_seed(3)
@@ -494,7 +514,10 @@ def test_cuda_prefetch_matches_cpu():
             c.append(kn, vn)
             out = c.attention(q)
             c.drop_speculative()
+            if t == 3:
+                c.reorder([1, 0])  # the host copy is reordered with a CPU index, the device parts on the device
         outs.append(out.float().cpu())
+        assert torch.equal(c.host.view()[0][:, :, :300].cpu(), k.half()[[1, 0]])
         c._take_prefetched()
         idxs.append(c.override_idx.cpu())
         assert c.override_k.device.type == device

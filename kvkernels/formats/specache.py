@@ -19,9 +19,10 @@ query row, averaged over the query heads of each KV group (the mean of softmax p
 third-party implementation does; the paper is silent), and keeps the `topk` best with ties to the lower position.
 With the two-row decode loop (kvkernels.speculative) the last row is the speculative next token, so the set is the
 paper's guess of the next step's attention; with plain generate() it is the current token's row (the set then lags
-one step). Eligible positions: past the sink and before  real_len + 1 - residual,  i.e. exactly the tokens that
-will sit in a quantized store at the next step (rows in the fp16 window gain nothing from an override); the
-speculative token's own column is never eligible. The rows are gathered from the host copy by a Prefetcher (its
+one step). Eligible positions: past the sink and before  real_len + 1 - residual,  i.e. exactly the tokens in the
+value store at the next step (rows in the fp16 window gain nothing; keys leave their window in groups of G, so up
+to G - 1 of them still have fp16 keys and only their values are overridden); the speculative token's own column
+is never eligible. The rows are gathered from the host copy by a Prefetcher (its
 module docstring says what overlaps what) into a second buffer, and become the override at the layer's next
 append, so the step that chose them finishes with the previous set.
 
@@ -118,60 +119,87 @@ def pcie_bytes_per_step(
 
 
 class HostKVStore:
-    """Every token's K/V of one layer in host memory, [B, H, cap, D] each, in the cache dtype.
+    """Every token's K/V of one layer in host memory, token-major [cap, B, H, D] each, in the cache dtype.
 
-    Pinned when the layer lives on CUDA (so the device can read it directly and copies are asynchronous).
-    Preallocated; grows by doubling (copying the used part once), like the quantized stores.
+    Token-major so that a step's new tokens are one contiguous block: a device -> pinned copy into it is truly
+    asynchronous (into a strided destination PyTorch would stage through pageable memory and block). Pinned when the
+    layer lives on CUDA. Preallocated; grows by doubling (copying the used part once), like the quantized stores.
+    Host-side readers (grow, batch edits) first wait for the last offload (wait()); the prefetcher's gathers are
+    ordered after it by the event it records on the compute stream.
     """
 
     def __init__(self, batch, heads, head_dim, capacity, dtype, pin: bool):
         self.pin, self.dtype = pin, dtype
         self.n = 0
-        self.k, self.v = self._alloc(batch, heads, head_dim, max(int(capacity), 1))
+        self._offloaded = None  # CUDA event after the last non-blocking offload
+        self.k, self.v = self._alloc(max(int(capacity), 1), batch, heads, head_dim)
 
-    def _alloc(self, batch, heads, head_dim, cap):
+    def _alloc(self, cap, batch, heads, head_dim):
         def make():
-            t = torch.zeros(batch, heads, cap, head_dim, dtype=self.dtype)
+            t = torch.zeros(cap, batch, heads, head_dim, dtype=self.dtype)
             return t.pin_memory() if self.pin else t
 
         return make(), make()
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[0]
+
+    def wait(self) -> None:
+        """Block until the last offload has landed (before reading the host copy on the host)."""
+        if self._offloaded is not None:
+            self._offloaded.synchronize()
+            self._offloaded = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Offload k, v [B, H, n, D] (any device) behind the stored tokens."""
         n = k.shape[2]
         if self.n + n > self.capacity:
-            B, H, _, D = self.k.shape
-            new_k, new_v = self._alloc(B, H, D, _round_up(max(2 * self.capacity, self.n + n), 64))
-            new_k[:, :, : self.n] = self.k[:, :, : self.n]
-            new_v[:, :, : self.n] = self.v[:, :, : self.n]
+            self.wait()
+            new_k, new_v = self._alloc(_round_up(max(2 * self.capacity, self.n + n), 64), *self.k.shape[1:])
+            new_k[: self.n] = self.k[: self.n]
+            new_v[: self.n] = self.v[: self.n]
             self.k, self.v = new_k, new_v
-        # non_blocking: a device->pinned copy is ordered on the current stream; readers of the host copy
-        # (the prefetcher's gathers) are ordered after it on the device, or synchronize first on the host path
-        self.k[:, :, self.n : self.n + n].copy_(k, non_blocking=self.pin)
-        self.v[:, :, self.n : self.n + n].copy_(v, non_blocking=self.pin)
+        self.k[self.n : self.n + n].copy_(k.permute(2, 0, 1, 3), non_blocking=self.pin)
+        self.v[self.n : self.n + n].copy_(v.permute(2, 0, 1, 3), non_blocking=self.pin)
+        if self.pin and k.is_cuda:
+            self._offloaded = torch.cuda.Event()
+            self._offloaded.record(torch.cuda.current_stream(k.device))
         self.n += n
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored tokens as [B, H, n, D] views (for inspection; not contiguous)."""
+        self.wait()
+        return self.k[: self.n].permute(1, 2, 0, 3), self.v[: self.n].permute(1, 2, 0, 3)
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
 
-    def map_batch(self, fn) -> None:
+    def select(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (a CPU int64 tensor), in that order (reorder / batch_select)."""
+        self._remap(lambda t: t.index_select(1, index))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self._remap(lambda t: t.repeat_interleave(repeats, dim=1))
+
+    def _remap(self, fn) -> None:
+        self.wait()
         k, v = fn(self.k), fn(self.v)
         self.k, self.v = (k.pin_memory(), v.pin_memory()) if self.pin else (k, v)
 
     def nbytes(self) -> int:
-        return 2 * self.k[:, :, : self.n].numel() * self.k.element_size()
+        return 2 * self.k[: self.n].numel() * self.k.element_size()
 
 
 def gather_rows(host: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """rows[b, h, j] = host[b, h, idx[b, h, j]] (idx -1: a zero row). host [B, H, N, D], idx int64 [B, H, k]."""
-    valid = idx >= 0
-    flat = idx.clamp(min=0).to(host.device)
-    rows = host.gather(2, flat[..., None].expand(*flat.shape, host.shape[-1]))
-    return rows.masked_fill(~valid.to(host.device)[..., None], 0)
+    """rows[b, h, j] = host[idx[b, h, j], b, h] (idx -1: a zero row). host token-major [N, B, H, D] (HostKVStore),
+    idx int64 [B, H, k]; returns [B, H, k, D] on host's device."""
+    idx = idx.to(host.device)
+    B, H, _ = idx.shape
+    b = torch.arange(B, device=host.device)[:, None, None]
+    h = torch.arange(H, device=host.device)[None, :, None]
+    rows = host[idx.clamp(min=0), b, h]
+    return rows.masked_fill((idx < 0)[..., None], 0)
 
 
 class _Done:
@@ -224,11 +252,13 @@ class SyncStreams:
 
 
 class CudaStreams(SyncStreams):
-    """torch.cuda streams and events; prefetch jobs run on one worker thread (UNVERIFIED: never run on a GPU)."""
+    """torch.cuda streams and events; prefetch jobs run on one worker thread shared by all layers (UNVERIFIED:
+    never run on a GPU)."""
+
+    _worker = None  # one worker thread for every layer and cache: jobs run in the order layers start them
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._worker = None
 
     def new_stream(self):
         return torch.cuda.Stream(self.device)
@@ -243,9 +273,9 @@ class CudaStreams(SyncStreams):
         return torch.cuda.stream(stream)
 
     def run(self, job):
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache")
-        return self._worker.submit(job)
+        if CudaStreams._worker is None:
+            CudaStreams._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache")
+        return CudaStreams._worker.submit(job)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -285,7 +315,7 @@ class Prefetcher:
         s = self.streams
         chosen = s.new_event()
         chosen.record(s.current_stream())
-        hk, hv = host.k[:, :, : host.n], host.v[:, :, : host.n]  # the tensors as of now (a grow reallocates)
+        hk, hv = host.k[: host.n], host.v[: host.n]  # the tensors as of now (a grow reallocates)
         self._pending = (idx, s.run(lambda: self._gather(chosen, hk, hv, idx)))
 
     def _gather(self, chosen, hk, hv, idx):
@@ -350,6 +380,8 @@ class SpeCacheLayerCache(QuantizedLayerCache):
 
     def reset(self) -> None:
         super().reset()
+        self.speculative_rows = 0
+        self._host_edit = None
         if hasattr(self, "host"):
             self.host.truncate(0)
             self.prefetcher.cancel()
@@ -438,7 +470,7 @@ class SpeCacheLayerCache(QuantizedLayerCache):
         self.prefetcher.start(self.host, idx)
 
     def eligible_range(self) -> tuple[int, int]:
-        """Token positions [lo, hi) the next selection may choose: those in a quantized store at the next step."""
+        """Token positions [lo, hi) the next selection may choose: those in the value store at the next step."""
         real = self.seq_len - self._pending_spec
         hi = min(max(self.n_sink, real + 1 - self.w_recent), real)
         return self.n_sink, max(hi, self.n_sink)
@@ -495,10 +527,30 @@ class SpeCacheLayerCache(QuantizedLayerCache):
             idx, k, v = self._staged
             self._staged = (idx.masked_fill(idx >= self.seq_len, -1), k, v)
 
+    # batch edits: the host copy is token-major and on the host, so it gets its own (CPU) index
+    def reorder(self, index) -> None:
+        host_index = self._index(index).cpu()
+        self._host_edit = lambda: self.host.select(host_index)
+        super().reorder(index)
+
+    def batch_select(self, index) -> None:
+        host_index = self._index(index).cpu()
+        self._host_edit = lambda: self.host.select(host_index)
+        super().batch_select(index)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._host_edit = lambda: self.host.repeat_interleave(repeats)
+        super().batch_repeat_interleave(repeats)
+
     def _map_batch(self, fn) -> None:
         self._stage()  # beam search reorders between steps: the rows for the next step are reordered too
         super()._map_batch(fn)
-        self.host.map_batch(fn)
+        edit, self._host_edit = self._host_edit, None
+        if edit is None:
+            raise RuntimeError(
+                "specache: a batch edit must go through reorder / batch_select / batch_repeat_interleave"
+            )
+        edit()
         if self.override_idx is not None:
             self.override_idx, self.override_k, self.override_v = map(
                 fn, (self.override_idx, self.override_k, self.override_v)
