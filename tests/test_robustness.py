@@ -310,7 +310,7 @@ def test_integer_attention_masks_are_rejected():
     torch.testing.assert_close(as_bool, cache.attention(q))
 
 
-@pytest.mark.parametrize("method", ["innerq_base", "kivi4"])
+@pytest.mark.parametrize("method", ["innerq_base", "kivi4", "specache1"])  # specache1: its host copy too
 def test_cache_filled_under_inference_mode_appends_outside_it(method):
     # 9. "Inplace update to inference tensor outside InferenceMode"; DynamicCache handles the same sequence
     from kvkernels.integrations.transformers import KVKernelsCache

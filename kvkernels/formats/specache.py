@@ -153,6 +153,8 @@ class HostKVStore:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Offload k, v [B, H, n, D] (any device) behind the stored tokens."""
+        if self.k.is_inference() and not torch.is_inference_mode_enabled():
+            self._remap(torch.clone)  # made under inference_mode: not writable outside it (as the device buffers)
         n = k.shape[2]
         if self.n + n > self.capacity:
             self.wait()
@@ -367,7 +369,6 @@ class SpeCacheLayerCache(QuantizedLayerCache):
         self.speculative_rows = 0
         self._pending_spec = 0
         super().__init__(config, batch, num_kv_heads, head_dim, capacity, device, dtype, context=context)
-        self.topk = config.topk
         self.host = HostKVStore(batch, num_kv_heads, head_dim, capacity, dtype, pin=self.device.type == "cuda")
         self.prefetcher = Prefetcher(self.device)
         self._clear_override()
@@ -381,7 +382,6 @@ class SpeCacheLayerCache(QuantizedLayerCache):
     def reset(self) -> None:
         super().reset()
         self.speculative_rows = 0
-        self._host_edit = None
         if hasattr(self, "host"):
             self.host.truncate(0)
             self.prefetcher.cancel()
@@ -431,12 +431,12 @@ class SpeCacheLayerCache(QuantizedLayerCache):
             self._staged = None
 
     # -- the override, in the two attention hooks ------------------------------------------------------------------
-    def _columns(self, lo: int, n: int, H_q: int, T: int):
-        """Override positions as columns of a store covering tokens [lo, lo + n): (cols [B, H_q, T, k] with n for
-        slots outside the store, expanded to the query heads of each KV group), or None without an override."""
+    def _columns(self, n: int, H_q: int, T: int):
+        """Override positions as columns of a store of n tokens (stores start after the sink): cols [B, H_q, T, k],
+        n for slots outside the store, expanded to the query heads of each KV group; None without an override."""
         if self.override_idx is None or n == 0:
             return None
-        col = self.override_idx - lo
+        col = self.override_idx - self.n_sink
         col = torch.where((self.override_idx >= 0) & (col >= 0) & (col < n), col, n)
         g = H_q // self.num_kv_heads
         return col.repeat_interleave(g, dim=1)[:, :, None, :].expand(-1, -1, T, -1)
@@ -444,7 +444,7 @@ class SpeCacheLayerCache(QuantizedLayerCache):
     def quantized_key_scores(self, x: torch.Tensor) -> torch.Tensor:
         scores = super().quantized_key_scores(x)
         B, H_q, T, n = scores.shape
-        cols = self._columns(self.n_sink, n, H_q, T)
+        cols = self._columns(n, H_q, T)
         if cols is None:
             return scores
         exact = _grouped_matmul(x, self.override_k.to(torch.float32).transpose(2, 3))  # [B, H_q, T, k]
@@ -453,7 +453,7 @@ class SpeCacheLayerCache(QuantizedLayerCache):
 
     def quantized_value_output(self, p: torch.Tensor) -> torch.Tensor:
         B, H_q, T, n = p.shape
-        cols = self._columns(self.n_sink, n, H_q, T)
+        cols = self._columns(n, H_q, T)
         if cols is None:
             return super().quantized_value_output(p)
         ext = torch.cat([p, p.new_zeros(B, H_q, T, 1)], dim=-1)
@@ -464,7 +464,7 @@ class SpeCacheLayerCache(QuantizedLayerCache):
     def observe_attention(self, p: torch.Tensor) -> None:
         """Choose the next step's rows from the probabilities p fp32 [B, H_q, T, N] of this step (module
         docstring) and start prefetching them."""
-        if self.topk == 0:
+        if self.config.topk == 0:
             return
         idx = self.select_topk(p[:, :, -1])
         self.prefetcher.start(self.host, idx)
@@ -482,8 +482,8 @@ class SpeCacheLayerCache(QuantizedLayerCache):
         B, H_q, N = p_last.shape
         lo, hi = self.eligible_range()
         mean = p_last[..., lo:hi].reshape(B, self.num_kv_heads, H_q // self.num_kv_heads, hi - lo).mean(2)
-        k = min(self.topk, hi - lo)
-        idx = torch.full((B, self.num_kv_heads, self.topk), -1, dtype=torch.long, device=p_last.device)
+        k = min(self.config.topk, hi - lo)
+        idx = torch.full((B, self.num_kv_heads, self.config.topk), -1, dtype=torch.long, device=p_last.device)
         if k:
             order = torch.sort(mean, dim=-1, descending=True, stable=True).indices[..., :k]
             idx[..., :k] = order.sort(dim=-1).values + lo
@@ -527,30 +527,25 @@ class SpeCacheLayerCache(QuantizedLayerCache):
             idx, k, v = self._staged
             self._staged = (idx.masked_fill(idx >= self.seq_len, -1), k, v)
 
-    # batch edits: the host copy is token-major and on the host, so it gets its own (CPU) index
+    # batch edits: the device parts go through _map_batch; the host copy is token-major and on the host, so it
+    # gets the same edit along its batch dim with a CPU index
     def reorder(self, index) -> None:
         host_index = self._index(index).cpu()
-        self._host_edit = lambda: self.host.select(host_index)
         super().reorder(index)
+        self.host.select(host_index)
 
     def batch_select(self, index) -> None:
         host_index = self._index(index).cpu()
-        self._host_edit = lambda: self.host.select(host_index)
         super().batch_select(index)
+        self.host.select(host_index)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._host_edit = lambda: self.host.repeat_interleave(repeats)
         super().batch_repeat_interleave(repeats)
+        self.host.repeat_interleave(repeats)
 
     def _map_batch(self, fn) -> None:
         self._stage()  # beam search reorders between steps: the rows for the next step are reordered too
         super()._map_batch(fn)
-        edit, self._host_edit = self._host_edit, None
-        if edit is None:
-            raise RuntimeError(
-                "specache: a batch edit must go through reorder / batch_select / batch_repeat_interleave"
-            )
-        edit()
         if self.override_idx is not None:
             self.override_idx, self.override_k, self.override_v = map(
                 fn, (self.override_idx, self.override_k, self.override_v)
@@ -563,7 +558,7 @@ class SpeCacheLayerCache(QuantizedLayerCache):
         reads, in total) and host (the full-precision copy in host memory, not in total)."""
         mem = super().memory_bytes()
         esize = torch.empty((), dtype=self.dtype).element_size()
-        prefetch = 2 * self.batch * self.num_kv_heads * self.topk * self.head_dim * esize
+        prefetch = 2 * self.batch * self.num_kv_heads * self.config.topk * self.head_dim * esize
         mem["prefetch"] = prefetch
         mem["total"] += prefetch
         mem["allocated"] += 2 * prefetch  # the override rows and the next set being prefetched
