@@ -44,11 +44,8 @@ def main(argv=None) -> int:
     preds = aqua.load_predictors(path, model=model)
     set_kvkernels_attention(model)
 
-    def encode(text: str) -> list[int]:
-        return tok(text, add_special_tokens=False)["input_ids"]
-
     P, T = args.prefill, args.decode_tokens
-    ids = quality.build_contexts(quality.load_articles(), encode, P + T + 1, 1, seed=0)[0]
+    ids = quality.build_contexts(quality.load_articles(), quality.text_encoder(tok), P + T + 1, 1)[0]
     variants = [
         ("aqua", "aqua", {"predictors": preds}),
         ("aqua_nopred", "aqua", {"predictors": zero_predictors(preds)}),

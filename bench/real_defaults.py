@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     articles = quality.load_articles()
     contexts = quality.build_contexts(
         articles,
-        lambda t: tok(t, add_special_tokens=False)["input_ids"],
+        quality.text_encoder(tok),
         a.prefill + a.decode_tokens + 1,
         a.contexts,
         a.seed,

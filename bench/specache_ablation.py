@@ -30,11 +30,8 @@ def main(argv=None) -> int:
     model, tok = quality.load_model(progress=False)
     set_kvkernels_attention(model)
 
-    def encode(text: str) -> list[int]:
-        return tok(text, add_special_tokens=False)["input_ids"]
-
     P, T, name = args.prefill, args.decode_tokens, args.preset
-    contexts = quality.build_contexts(quality.load_articles(), encode, P + T + 1, args.contexts, seed=0)
+    contexts = quality.build_contexts(quality.load_articles(), quality.text_encoder(tok), P + T + 1, args.contexts)
     variants = [
         (name, name, None),
         (f"{name}_lagged", name, {"two_rows": False}),

@@ -83,9 +83,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, tok = quality.load_model(progress=False)
     set_kvkernels_attention(model)
-    articles = quality.load_articles()
-    encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-    ids = quality.build_contexts(articles, encode, args.prefill + args.steps + 1, 1)[0]
+    length = args.prefill + args.steps + 1
+    ids = quality.build_contexts(quality.load_articles(), quality.text_encoder(tok), length, 1)[0]
     kv = quality.prefill_kv(model, ids[: args.prefill])
     cache = quality.make_cache("specache1", model, {"topk": args.topk})
     quality.fill_cache(cache, kv)

@@ -522,9 +522,7 @@ def calibrate(
         articles = quality.load_articles()
         corpus_name = corpus_name or f"{quality.CORPUS_PIP}:{quality.CORPUS_FILE}"
 
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
+    encode = quality.text_encoder(tokenizer)
     n_train = -(-settings.tokens // settings.seqlen)
     n_valid = -(-settings.valid_tokens // settings.seqlen) if settings.valid_tokens else 0
     windows, used = calibration_windows(articles, encode, settings.seqlen, n_train + n_valid)

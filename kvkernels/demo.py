@@ -366,9 +366,7 @@ def model_section(args, progress: bool) -> None:
     if need > cfg.max_position_embeddings:
         print(f"\n[3b] skipped: {need} tokens exceed the model's {cfg.max_position_embeddings} positions")
         return
-    contexts = quality.build_contexts(
-        list(corpus.values()), lambda t: tokenizer(t, add_special_tokens=False)["input_ids"], need, 1, seed=0
-    )
+    contexts = quality.build_contexts(list(corpus.values()), quality.text_encoder(tokenizer), need, 1, seed=0)
     rows = quality.evaluate(model, contexts, [args.eval_prefill], args.eval_tokens, METHODS, progress=progress)
     print(
         quality.format_table(

@@ -224,6 +224,15 @@ def load_articles(path: Path | str | None = None) -> list[str]:
     return list(load_corpus(path).values())
 
 
+def text_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """text -> token ids without special tokens: how every context and calibration window is tokenized."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return encode
+
+
 def build_contexts(
     articles: Sequence[str], encode: Callable[[str], list[int]], length: int, count: int, seed: int = 0
 ) -> list[torch.Tensor]:
@@ -766,10 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    contexts = build_contexts(articles, encode, need, args.contexts, seed=args.seed)
+    contexts = build_contexts(articles, text_encoder(tokenizer), need, args.contexts, seed=args.seed)
     from .integrations.transformers import set_kvkernels_attention
 
     set_kvkernels_attention(model)  # KVKernelsCache's decode handles need it; DynamicCache runs SDPA under it

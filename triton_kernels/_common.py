@@ -195,6 +195,11 @@ def num_splits(base_programs: int, n_iters: int, device: torch.device) -> int:
     return max(1, min(want, n_iters // MIN_ITERS_PER_SPLIT))
 
 
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy if its last dim is strided: the kernels read each row's last dim contiguously."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 def collapse_rows(lead: tuple[int, ...], *tensors: torch.Tensor):
     """View the leading dims `lead` shared by `tensors` as 3 dims [D0, D1, D2] with per-tensor strides.
 

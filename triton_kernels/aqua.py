@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETED, check_device, device_ctx, next_pow2
+from ._common import INTERPRETED, check_device, device_ctx, next_pow2, unit_last
 from .lattice import _grid_consts, _group_consts, _signs_arg, dequantize_group
 
 # Input channels per tl.dot step; tl.dot needs every dim >= 16.
@@ -102,10 +102,6 @@ def _aqua_reconstruct_kernel(
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], acc + x, mask=r_ok[:, None])
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
 def aqua_reconstruct(
     prev: torch.Tensor,
     weight: torch.Tensor,
@@ -125,9 +121,9 @@ def aqua_reconstruct(
     out = torch.empty((T, C), dtype=torch.float32, device=prev.device)
     if T == 0 or C == 0:
         return out
-    prev, weight, codes, norms = (_unit_last(t) for t in (prev, weight, codes, norms))
+    prev, weight, codes, norms = (unit_last(t) for t in (prev, weight, codes, norms))
     has2 = prev2 is not None
-    prev2, weight2 = (_unit_last(prev2), _unit_last(weight2)) if has2 else (prev, weight)  # placeholders, never read
+    prev2, weight2 = (unit_last(prev2), unit_last(weight2)) if has2 else (prev, weight)  # placeholders, never read
     block_t = min(MAX_BLOCK_T, max(16, next_pow2(T)))
     upcast = INTERPRETED and prev.dtype == torch.bfloat16
     precision = "ieee" if prev.dtype == torch.float32 or upcast else "tf32"  # fp16 / bf16 ignore it

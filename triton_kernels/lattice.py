@@ -44,6 +44,7 @@ from ._common import (
     next_pow2,
     num_splits,
     query_t_chunk,
+    unit_last,
 )
 from .quantize import _row_offsets
 
@@ -548,15 +549,10 @@ def _signs_arg(signs: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like if signs is None else signs.contiguous()  # placeholder pointer when absent, never read
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    # the kernels read each row's last dim contiguously
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
 def _as_4d(a: torch.Tensor) -> tuple[torch.Tensor, bool]:
     # a GEMV's [B, H_q, L] or [B, H_q, T, L] -> [B, H_q, T, L] (last dim contiguous), and whether T was given
     has_t = a.dim() == 4
-    return _unit_last(a if has_t else a.unsqueeze(2)), has_t
+    return unit_last(a if has_t else a.unsqueeze(2)), has_t
 
 
 def _rows(lead: tuple[int, ...], *tensors: torch.Tensor):
@@ -627,7 +623,7 @@ def lattice_dequantize(
     n_rows = out.numel() // C if C else 0
     if n_rows == 0:
         return out
-    (codes, norms), (_, D1, D2), (sc, sn) = _rows(lead, _unit_last(codes), _unit_last(norms))
+    (codes, norms), (_, D1, D2), (sc, sn) = _rows(lead, unit_last(codes), unit_last(norms))
     block_rows = _block_rows(n_rows, group_size)
     with device_ctx(codes):
         _lattice_dequantize_kernel[(triton.cdiv(n_rows, block_rows), C // group_size)](
@@ -686,7 +682,7 @@ def gemv_lattice_k(
         return out if has_t else out.squeeze(2)
     if D == 0:
         return out.zero_() if has_t else out.zero_().squeeze(2)
-    codes, norms = _unit_last(codes), _unit_last(norms)
+    codes, norms = unit_last(codes), unit_last(norms)
     ratio = H_q // H_kv
     tc, splits, tokens_per_split, meta = _gemv_plan(q4, codes, grid, group_size, signs, D, N)
     sig = _signs_arg(signs, grid)
@@ -718,7 +714,7 @@ def gemv_lattice_v(
     out_shape = (B, H_q, T, D) if has_t else (B, H_q, D)
     if B * H_q * T * D == 0 or N == 0:
         return torch.zeros(out_shape, dtype=torch.float32, device=p.device)
-    codes, norms = _unit_last(codes), _unit_last(norms)
+    codes, norms = unit_last(codes), unit_last(norms)
     ratio = H_q // H_kv
     tc, splits, tokens_per_split, meta = _gemv_plan(p4, codes, grid, group_size, signs, D, N)
     y = torch.empty((splits, B, H_q, T, D), dtype=torch.float32, device=p.device)
