@@ -29,7 +29,9 @@ checks that the articles the default full eval reads (4 contexts of 7680 + 256 +
 
 The predictor file is safetensors: per layer l >= 1 `layers.l.key.weight` [C, C], `layers.l.key.bias` [C],
 `layers.l.value.weight` [C, 2C] (input [k_hat ; v_prev_hat], the reference's order and layout), `layers.l.value.bias`
-[C], all fp32, plus `rope.inv_freq` [head_dim / 2] (the cache un-rotates post-RoPE keys with it); the metadata holds
+[C], all fp32, plus `rope.inv_freq` [head_dim / 2] (the cache un-rotates post-RoPE keys with it). A rank-r file
+(mode (c), `--rank r`: reduce_rank of each ridge fit) holds the factors instead: `key.weight` [C, r] with
+`key.down` [r, C], `value.weight` [C, r] with `value.down` [r, 2C]. The metadata holds
 JSON: the fingerprint (model config fields + a digest of layer 0's k_proj weight, the calibration settings) and the
 held-out statistics. load_predictors(path, config=...) refuses a model whose fingerprint differs.
 """
@@ -176,25 +178,63 @@ class Backbone:
 
 @dataclass
 class LayerPredictors:
-    """Layer l >= 1's two predictors, fp32: key_weight [C, C], key_bias [C]; value_weight [C, 2C] on
-    [k_hat_l ; v_hat_{l-1}] (keys first), value_bias [C]."""
+    """Layer l >= 1's two predictors, fp32, full rank or rank r (mode (c), reduce_rank).
+
+    Full rank (key_down, value_down None): key_weight [C, C], value_weight [C, 2C] on [k_hat_l ; v_hat_{l-1}] (keys
+    first). Rank r: the prediction is up @ (down @ x): key_down [r, C] and key_weight [C, r]; value_down [r, 2C] and
+    value_weight [C, r]. The biases are [C] either way.
+    """
 
     key_weight: torch.Tensor
     key_bias: torch.Tensor
     value_weight: torch.Tensor
     value_bias: torch.Tensor
+    key_down: torch.Tensor | None = None
+    value_down: torch.Tensor | None = None
 
     @property
-    def value_weight_k(self) -> torch.Tensor:  # the block applied to k_hat_l
-        return self.value_weight[:, : self.value_weight.shape[0]]
+    def rank(self) -> int | None:
+        """None for full-rank predictors, else r."""
+        return None if self.key_down is None else self.key_down.shape[0]
 
-    @property
-    def value_weight_v(self) -> torch.Tensor:  # the block applied to v_hat_{l-1}
-        return self.value_weight[:, self.value_weight.shape[0] :]
+    def operands(
+        self, which: str, prev: torch.Tensor, prev_v: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(a, w, a2, w2): the prediction of `which` ("key": prev = k_hat_{l-1}; "value": prev = k_hat_l, prev_v =
+        v_hat_{l-1}) is a @ w^T (+ a2 @ w2^T) + bias, aqua_reconstruct's GEMM operands. Full rank: the inputs and
+        the weight (the value weight split column-wise, so [k_hat ; v_prev_hat] is never formed). Rank r: the
+        projected input z = down @ x [T, r] (one small GEMM per input: the only intermediate written) and up."""
+        if which == "key":
+            if self.key_down is None:
+                return prev, self.key_weight, None, None
+            return prev @ self.key_down.T, self.key_weight, None, None
+        C = self.value_bias.shape[0]
+        if self.value_down is None:
+            return prev, self.value_weight[:, :C], prev_v, self.value_weight[:, C:]
+        return prev @ self.value_down[:, :C].T + prev_v @ self.value_down[:, C:].T, self.value_weight, None, None
+
+    def bias(self, which: str) -> torch.Tensor:
+        return self.key_bias if which == "key" else self.value_bias
+
+    def predict(self, which: str, prev: torch.Tensor, prev_v: torch.Tensor | None = None) -> torch.Tensor:
+        """The prediction [T, C], fp32 arithmetic in aqua_reconstruct's order ((a w^T + a2 w2^T) + bias)."""
+        a, w, a2, w2 = self.operands(which, prev, prev_v)
+        out = a @ w.T
+        if a2 is not None:
+            out = out + a2 @ w2.T
+        return out + self.bias(which)
+
+    def reconstruct(self, which, prev, codes, norms, grid, group_size, signs, prev_v=None) -> torch.Tensor:
+        """prediction + deq(codes, norms) as one aqua_reconstruct call: fp32 [T, C]. The one function every
+        reconstruction goes through (calibration, the cache's encode and decode paths)."""
+        from . import ops
+
+        a, w, a2, w2 = self.operands(which, prev, prev_v)
+        return ops.aqua_reconstruct(a, w, self.bias(which), codes, norms, grid, group_size, signs, a2, w2)
 
     def to(self, device=None, dtype=None) -> LayerPredictors:
         def cast(t, d):
-            return t.to(device=device, dtype=d).contiguous()
+            return None if t is None else t.to(device=device, dtype=d).contiguous()
 
         w = dtype or self.key_weight.dtype
         return LayerPredictors(
@@ -202,7 +242,30 @@ class LayerPredictors:
             cast(self.key_bias, torch.float32),
             cast(self.value_weight, w),
             cast(self.value_bias, torch.float32),
+            cast(self.key_down, w),
+            cast(self.value_down, w),
         )
+
+
+def reduce_rank(
+    X: torch.Tensor, W: torch.Tensor, b: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank-r version (up [D_out, r], down [r, D_in], bias [D_out]) of the ridge fit x -> W x + b on inputs X [N, D_in]:
+    reduced-rank regression on the fitted values. With mu = mean(X) and V the top-r eigenvectors of the centered
+    predictions' scatter ((X - mu) W^T)^T ((X - mu) W^T), the rank-r map is mu_y + V V^T W (x - mu): up = V,
+    down = V^T W, bias = b + (W - V V^T W) mu. Among rank-r maps it is the least-squares fit to the full fit's
+    predictions on X (float64 inside, fp32 out)."""
+    d_out, d_in = W.shape
+    if not (isinstance(rank, int) and 1 <= rank < min(d_out, d_in)):
+        raise ValueError(f"reduce_rank: rank must be an int in [1, {min(d_out, d_in)}), got {rank!r}")
+    Xd, Wd, bd = X.double(), W.double(), b.double()
+    mu = Xd.mean(0)
+    Yc = (Xd - mu) @ Wd.T
+    _, vecs = torch.linalg.eigh(Yc.T @ Yc)  # ascending eigenvalues
+    V = vecs[:, -rank:].flip(-1).contiguous()  # [D_out, r], largest first
+    down = V.T @ Wd
+    bias = bd + (Wd @ mu - V @ (down @ mu))
+    return V.float().contiguous(), down.float().contiguous(), bias.float().contiguous()
 
 
 @dataclass
@@ -258,8 +321,11 @@ class AquaPredictors:
                 ("key.bias", p.key_bias),
                 ("value.weight", p.value_weight),
                 ("value.bias", p.value_bias),
+                ("key.down", p.key_down),
+                ("value.down", p.value_down),
             ):
-                tensors[f"layers.{l}.{name}"] = t.float().contiguous().cpu()
+                if t is not None:
+                    tensors[f"layers.{l}.{name}"] = t.float().contiguous().cpu()
         meta = {
             "format": SCHEMA,
             "num_layers": str(self.num_layers),
@@ -288,9 +354,12 @@ def load_predictors(path: Path | str, config=None, model=None, device="cpu") -> 
                 f"{path} is not an AQUA-KV predictor file ({SCHEMA}), its format is {meta.get('format')!r}"
             )
         n = int(meta["num_layers"])
+        names = set(f.keys())
         layers: list[LayerPredictors | None] = [None]
         for l in range(1, n):
-            layers.append(LayerPredictors(*(f.get_tensor(f"layers.{l}.{k}") for k in _TENSOR_NAMES)))
+            full = [f.get_tensor(f"layers.{l}.{k}") for k in _TENSOR_NAMES]
+            low = [f.get_tensor(f"layers.{l}.{k}") if f"layers.{l}.{k}" in names else None for k in _LOW_RANK_NAMES]
+            layers.append(LayerPredictors(*full, *low))
         preds = AquaPredictors(
             layers=layers,
             inv_freq=f.get_tensor("rope.inv_freq"),
@@ -307,6 +376,7 @@ def load_predictors(path: Path | str, config=None, model=None, device="cpu") -> 
 
 
 _TENSOR_NAMES = ("key.weight", "key.bias", "value.weight", "value.bias")
+_LOW_RANK_NAMES = ("key.down", "value.down")  # rank-r files only (mode (c))
 
 
 def model_fingerprint(config, model=None) -> dict:
@@ -429,13 +499,20 @@ class CalibrationSettings:
     reg: float = 1e-3
     skip_sinks: int = 4
     backbone: Backbone = Backbone()
+    rank: int | None = None  # mode (c): rank-r predictors (reduce_rank of each ridge fit); None = full rank
+
+    def __post_init__(self):
+        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1):
+            raise ValueError(f"rank must be a positive int or None, got {self.rank!r}")
 
 
-def _reconstruct(ops_fn, prev, p: LayerPredictors, codes, norms, bb: Backbone, l: int, which: str, prev_v=None):
-    grid, G, signs = bb.args(l, prev.device)
-    if which == "key":
-        return ops_fn(prev, p.key_weight, p.key_bias, codes, norms, grid, G, signs)
-    return ops_fn(prev, p.value_weight_k, p.value_bias, codes, norms, grid, G, signs, prev_v, p.value_weight_v)
+def _fit(X: torch.Tensor, Y: torch.Tensor, settings: CalibrationSettings):
+    """The ridge fit of Y on X, reduced to rank settings.rank if set: (weight, bias, down or None)."""
+    W, b = fit_ridge(X, Y, settings.reg)
+    if settings.rank is None:
+        return W, b, None
+    up, down, b = reduce_rank(X, W, b, settings.rank)
+    return up, b, down
 
 
 def calibrate_on_kv(
@@ -446,7 +523,9 @@ def calibrate_on_kv(
 ) -> tuple[list[LayerPredictors | None], list[dict]]:
     """Algorithm 1 on captured K/V (per layer (keys, values) [N, C] fp32): the predictors and, per layer, held-out
     statistics (on `valid`, propagated through the same reconstructions): explained variance of each predictor,
-    relMSE / equivalent bits of the reconstruction, and of the backbone alone at the same bits on the same tokens."""
+    relMSE / equivalent bits of the reconstruction, and of the backbone alone at the same bits on the same tokens.
+    With settings.rank, each predictor is the rank-r reduction of its ridge fit, and the layers above are fitted on
+    the rank-r reconstructions (what inference will see)."""
     from tqdm.auto import tqdm
 
     from . import ops
@@ -469,17 +548,18 @@ def calibrate_on_kv(
             if vk is not None:
                 stats.append(_layer_stats(0, vk, vv, vk_old, vv_old, None, None, vk_old, vv_old))
             continue
-        wk, bk = fit_ridge(k_old, k, settings.reg)
-        k_rec = _encode(ops, k_old, k, wk, bk, None, None, bb, l)
-        wv, bv = fit_ridge(torch.cat([k_rec, v_old], dim=1), v, settings.reg)  # keys first, as the reference
-        p = LayerPredictors(wk, bk, wv, bv)
-        v_rec = _encode(ops, k_rec, v, p.value_weight_k, bv, v_old, p.value_weight_v, bb, l)
+        wk, bk, dk = _fit(k_old, k, settings)
+        keys_only = LayerPredictors(wk, bk, wk, bk, dk, dk)  # the value half is a placeholder until it is fitted
+        k_rec = _encode(keys_only, "key", k_old, k, bb, l)
+        wv, bv, dv = _fit(torch.cat([k_rec, v_old], dim=1), v, settings)  # keys first, as the reference
+        p = LayerPredictors(wk, bk, wv, bv, dk, dv)
+        v_rec = _encode(p, "value", k_rec, v, bb, l, v_old)
         preds.append(p)
         if vk is not None:
-            pk = vk_old @ wk.T + bk
-            vk_rec = _encode(ops, vk_old, vk, wk, bk, None, None, bb, l)
-            pv = vk_rec @ p.value_weight_k.T + vv_old @ p.value_weight_v.T + bv
-            vv_rec = _encode(ops, vk_rec, vv, p.value_weight_k, bv, vv_old, p.value_weight_v, bb, l)
+            pk = p.predict("key", vk_old)
+            vk_rec = _encode(p, "key", vk_old, vk, bb, l)
+            pv = p.predict("value", vk_rec, vv_old)
+            vv_rec = _encode(p, "value", vk_rec, vv, bb, l, vv_old)
             grid, G, signs = bb.args(l, vk.device)
             plain_k = ops.lattice_dequantize(*bb.quantize(vk, l), grid, G, signs)
             plain_v = ops.lattice_dequantize(*bb.quantize(vv, l), grid, G, signs)
@@ -489,12 +569,11 @@ def calibrate_on_kv(
     return preds, stats
 
 
-def _encode(ops, prev, target, w, b, prev2, w2, bb: Backbone, l: int) -> torch.Tensor:
+def _encode(p: LayerPredictors, which: str, prev, target, bb: Backbone, l: int, prev_v=None) -> torch.Tensor:
     """Alg. 2 for one tensor: quantize target - prediction, return the reconstruction (aqua_reconstruct)."""
-    pred = prev @ w.T + b if prev2 is None else prev @ w.T + prev2 @ w2.T + b
-    codes, norms = bb.quantize(target - pred, l)
+    codes, norms = bb.quantize(target - p.predict(which, prev, prev_v), l)
     grid, G, signs = bb.args(l, prev.device)
-    return ops.aqua_reconstruct(prev, w, b, codes, norms, grid, G, signs, prev2, w2)
+    return p.reconstruct(which, prev, codes, norms, grid, G, signs, prev_v)
 
 
 def _layer_stats(l, k, v, k_rec, v_rec, k_pred, v_pred, k_plain, v_plain) -> dict:
@@ -587,9 +666,11 @@ def format_stats(stats: Sequence[dict]) -> str:
 # `python -m kvkernels calibrate aqua`
 
 
-def default_predictor_path(model_dir: Path) -> Path:
-    """build/aqua/<model folder name>.safetensors (relative to the working directory, as the eval's build/eval)."""
-    return Path("build/aqua") / f"{Path(model_dir).name}.safetensors"
+def default_predictor_path(model_dir: Path, rank: int | None = None) -> Path:
+    """build/aqua/<model folder name>[-r<rank>].safetensors (relative to the working directory, as the eval's
+    build/eval)."""
+    suffix = "" if rank is None else f"-r{rank}"
+    return Path("build/aqua") / f"{Path(model_dir).name}{suffix}.safetensors"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -604,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-tokens", type=int, default=d.valid_tokens, help="held-out tokens for the statistics")
     p.add_argument("--seqlen", type=int, default=d.seqlen, help=f"tokens per forward window (default {d.seqlen})")
     p.add_argument("--bits", type=int, default=d.backbone.bits, choices=(2, 3, 4), help="backbone bits, layers >= 1")
+    p.add_argument(
+        "--rank", type=int, help="mode (c): rank-r predictors (FLOPs / C / 2r for keys, 2C / 3r for values)"
+    )
     p.add_argument("--reg", type=float, default=d.reg, help=f"ridge damping rate (default {d.reg:g})")
     p.add_argument("--out", type=Path, help="predictor file (default build/aqua/<model folder name>.safetensors)")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
@@ -634,9 +718,10 @@ def main(argv: list[str] | None = None) -> int:
         seqlen=args.seqlen,
         reg=args.reg,
         backbone=Backbone(bits=args.bits),
+        rank=args.rank,
     )
     preds = calibrate(model, tokenizer, settings=settings, progress=not args.no_progress)
-    out = preds.save(args.out or default_predictor_path(model_dir))
+    out = preds.save(args.out or default_predictor_path(model_dir, args.rank))
     print(format_stats(preds.stats))
     print(
         f"wrote {out} ({preds.settings['articles']} calibration articles, disjoint from the "

@@ -35,6 +35,13 @@ class LayerContext:
         layers = self.model.layers
         return layers[idx] if 0 <= idx < len(layers) else None
 
+    @property
+    def scratch(self) -> dict:
+        """A dict the model's layers share for transient hand-offs within a step (AQUA-KV's mode (a) passes its
+        per-step rebuild up through it, each layer's replacing the one below's, so only two are alive at a time).
+        Entries say who wrote them and for which state; a reader checks that before using one."""
+        return self.model.scratch
+
     def __repr__(self):
         return f"LayerContext(layer {self.layer_idx} of {len(self.model.layers)})"
 
@@ -55,6 +62,7 @@ class ModelKVCache:
         check_num_layers(num_layers)
         self.config, self.capacity, self.layer_options = config, capacity, layer_options
         self.layers: list = [None] * (num_layers or 0)
+        self.scratch: dict = {}  # LayerContext.scratch
         self._fixed = num_layers is not None
 
     def __repr__(self):

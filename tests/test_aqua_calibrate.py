@@ -140,6 +140,51 @@ def test_calibration_fits_on_reconstructed_inputs():
     assert "mean layers 1..2" in aqua.format_stats(stats)
 
 
+def test_reduce_rank_is_exact_for_a_low_rank_map_and_optimal_otherwise():
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(400, 12, generator=g) + 2.0  # a non-zero mean: the bias must absorb it
+    W = torch.randn(10, 3, generator=g) @ torch.randn(3, 12, generator=g)  # rank 3
+    b = torch.randn(10, generator=g)
+    up, down, bias = aqua.reduce_rank(X, W, b, 3)
+    assert up.shape == (10, 3) and down.shape == (3, 12)
+    torch.testing.assert_close(X @ down.T @ up.T + bias, X @ W.T + b, rtol=1e-5, atol=1e-4)
+    # a full-rank map: the rank-r predictions' error is the discarded eigenvalues of the centered predictions
+    W = torch.randn(10, 12, generator=g)
+    up, down, bias = aqua.reduce_rank(X, W, b, 4)
+    full = (X @ W.T + b).double()
+    err = float(((X @ down.T @ up.T + bias).double() - full).square().sum())
+    eig = torch.linalg.eigvalsh((full - full.mean(0)).T @ (full - full.mean(0)))  # ascending
+    assert err == pytest.approx(float(eig[:-4].sum()), rel=1e-4)
+    assert torch.allclose(up.T @ up, torch.eye(4), atol=1e-5)  # orthonormal columns
+    for bad in (0, 10, 2.5):
+        with pytest.raises(ValueError, match="rank must be"):
+            aqua.reduce_rank(X, W, b, bad)
+    with pytest.raises(ValueError, match="rank must be"):
+        aqua.CalibrationSettings(rank=0)
+
+
+def test_reduced_rank_calibration_chains_rank_r_reconstructions():
+    kv = _layered_kv()
+    train = [(k[:500], v[:500]) for k, v in kv]
+    valid = [(k[500:], v[500:]) for k, v in kv]
+    settings = dataclasses.replace(SMALL, rank=16)
+    preds, stats = aqua.calibrate_on_kv(train, valid, settings, progress=False)
+    full, full_stats = aqua.calibrate_on_kv(train, valid, SMALL, progress=False)
+    # layer 1 is fitted on the same (layer-0) inputs: its keys are the rank-16 reduction of the full fit
+    bb = SMALL.backbone
+    grid, G, signs = bb.args(0, "cpu")
+    k0 = ops.lattice_dequantize(*bb.quantize(train[0][0], 0), grid, G, signs)
+    up, down, bias = aqua.reduce_rank(k0, full[1].key_weight, full[1].key_bias, 16)
+    assert torch.equal(preds[1].key_weight, up) and torch.equal(preds[1].key_down, down)
+    assert torch.equal(preds[1].key_bias, bias)
+    # the predictor reads [k_hat ; v_prev] through value_down [16, 2C]: operands() contracts it before the op
+    z, w, a2, w2 = preds[1].operands("value", torch.ones(2, 64), torch.zeros(2, 64))
+    assert z.shape == (2, 16) and w.shape == (64, 16) and a2 is None and w2 is None
+    # rank 16 of 64 channels explains less than full rank, and still beats the backbone alone
+    for s, f in zip(stats[1:], full_stats[1:], strict=True):
+        assert s["key_ev"] < f["key_ev"] and s["key_bits"] > s["key_backbone_bits"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # end to end on a tiny random model: text, capture, file, fingerprint
 
@@ -157,16 +202,25 @@ def _articles(n, seed=0):
 TINY = dataclasses.replace(SMALL, tokens=256, valid_tokens=128, seqlen=128)
 
 
-def test_calibrate_save_load_and_fingerprint(tmp_path):
+def _same(x, y):
+    return x is None and y is None or x is not None and y is not None and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("rank", [None, 8])
+def test_calibrate_save_load_and_fingerprint(tmp_path, rank):
     model = tiny_llama(head_dim=32, layers=3, kv_heads=2)
     articles = _articles(1200)
-    preds = aqua.calibrate(model, _CharTokenizer(), articles, TINY, progress=False, corpus_name="fake")
+    settings = dataclasses.replace(TINY, rank=rank)
+    preds = aqua.calibrate(model, _CharTokenizer(), articles, settings, progress=False, corpus_name="fake")
     assert preds.num_layers == 3 and preds.channels == 64 and len(preds.stats) == 3
     assert preds.settings["eval_articles_excluded"] > 300  # the default full eval's articles were looked at
+    assert preds.settings["rank"] == rank and all(p.rank == rank for p in preds.layers[1:])
+    if rank:
+        assert preds.layers[1].key_weight.shape == (64, rank) and preds.layers[1].value_down.shape == (rank, 128)
     path = preds.save(tmp_path / "p.safetensors")
     back = aqua.load_predictors(path, model=model)
     for a, b in zip(preds.layers[1:], back.layers[1:], strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
+        assert all(_same(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
     assert torch.equal(back.inv_freq, model.model.rotary_emb.inv_freq.float())
     assert back.settings["backbone"]["group_size"] == 32 and back.backbone == TINY.backbone
     other = tiny_llama(head_dim=32, layers=4, kv_heads=2)

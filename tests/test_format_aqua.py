@@ -16,18 +16,23 @@ C = H * D
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
 
 
-def _random_predictors(layers, seed=0, bits=2):
-    """Predictors with random weights of spectral norm < 1, so 30 layers of reconstructions stay bounded."""
+def _random_predictors(layers, seed=0, bits=2, rank=None):
+    """Predictors with random weights of spectral norm < 1, so 30 layers of reconstructions stay bounded; rank r:
+    factors up [C, r] (orthonormal columns) and down [r, C_in] of the same kind (mode c)."""
     g = torch.Generator().manual_seed(seed)
 
     def mat(n_in):
         q, _ = torch.linalg.qr(torch.randn(n_in, n_in, generator=g))
         return 0.6 * q[:C] if n_in > C else 0.6 * q
 
-    preds = [None] + [
-        aqua.LayerPredictors(mat(C), 0.1 * torch.randn(C, generator=g), mat(2 * C), 0.1 * torch.randn(C, generator=g))
-        for _ in range(1, layers)
-    ]
+    def layer():
+        kb, vb = 0.1 * torch.randn(C, generator=g), 0.1 * torch.randn(C, generator=g)
+        if rank is None:
+            return aqua.LayerPredictors(mat(C), kb, mat(2 * C), vb)
+        up_k, up_v = mat(C)[:, :rank], mat(C)[:, :rank]
+        return aqua.LayerPredictors(up_k, kb, up_v, vb, mat(C)[:rank] / 0.6, mat(2 * C)[:rank] / 0.6)
+
+    preds = [None] + [layer() for _ in range(1, layers)]
     backbone = dataclasses.asdict(aqua.Backbone(bits=bits))
     return aqua.AquaPredictors(preds, INV_FREQ, 1.0, model={}, settings={"backbone": backbone})
 
@@ -149,6 +154,64 @@ def _sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
 
 
+@pytest.mark.parametrize("rank", [None, 24])
+def test_recompute_mode_attends_what_the_kept_reconstruction_holds(rank):
+    # mode (a) keeps only codes and rebuilds every committed token each step from the layer below's rebuild;
+    # mode (b) keeps the reconstruction: the same values (tolerance: one GEMM over all rows vs one per chunk)
+    preds = _random_predictors(6, rank=rank)
+    caches = {mode: ModelKVCache(AquaConfig(predictors=preds, recompute=mode), num_layers=6) for mode in (True, False)}
+    for cache in caches.values():
+        _fill(cache, [200] + [1] * 130, seed=2)
+    q = torch.randn(1, 9, 1, D, generator=torch.Generator().manual_seed(4))
+    for l in range(6):
+        a, b = caches[True].layer(l), caches[False].layer(l)
+        assert a.chunks == b.chunks == [(0, 196), (196, 324)]
+        torch.testing.assert_close(a.attention(q), b.attention(q), atol=1e-5, rtol=1e-5)
+        for x, y in zip(a.dequantized(), b.dequantized(), strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        # two layers live at a time: attending layer l released layer l - 1's rebuild
+        assert caches[True].scratch["aqua.rebuild"][0] == l  # layer l's rebuild replaced layer l - 1's
+    mem_a, mem_b = caches[True].layer(3).memory_bytes(), caches[False].layer(3).memory_bytes()
+    assert mem_a["reconstruction"] == 0 < mem_b["reconstruction"] and mem_a["quantized"] == mem_b["quantized"]
+    assert mem_a["total"] == mem_b["total"] - mem_b["reconstruction"]
+    # the rebuild is the decode path (reconstruct_from_codes) and survives a layer being asked out of order
+    decoded = reconstruct_from_codes([caches[True].layer(l) for l in range(6)])
+    for l in (0, 5, 3):  # the slot holds another layer's rebuild each time: rebuilt down the layers
+        k, v = caches[True].layer(l)._rebuilt()
+        torch.testing.assert_close(k, decoded[l][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, decoded[l][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("cut", [400, 330, 300, 200, 100, 4, 2, -5])
+def test_crop_keeps_a_decodable_prefix_and_goes_on(recompute, cut):
+    # 4 sinks + chunks [0, 196) and [196, 324) + a 76-token tail = 400 tokens; every cut point: the kept tokens read
+    # back as they did (nothing is re-encoded), and appending after the cut commits consistent chunks in every layer
+    preds = _random_predictors(3)
+    cache = ModelKVCache(AquaConfig(predictors=preds, recompute=recompute), num_layers=3)
+    _fill(cache, [200, 124, 76], seed=6)
+    before = [cache.layer(l).dequantized() for l in range(3)]
+    keep = cut if cut >= 0 else 400 + cut
+    for l in range(3):
+        cache.layer(l).crop(cut)
+    for l in range(3):
+        layer = cache.layer(l)
+        assert layer.seq_len == keep
+        for x, full in zip(layer.dequantized(), before[l], strict=True):
+            torch.testing.assert_close(x, full[:, :, :keep], atol=1e-5, rtol=1e-5)
+    assert all(cache.layer(l).chunks == cache.layer(0).chunks for l in range(3))
+    _fill(cache, [150, 1], seed=7)  # the tail commits again (>= 128), from the cut on
+    layers = [cache.layer(l) for l in range(3)]
+    assert all(c.chunks == layers[0].chunks for c in layers) and layers[0].seq_len == keep + 151
+    assert layers[0].chunks[-1][1] == layers[0].key_store.n and layers[0].key_tail.shape[2] < 128
+    decoded = reconstruct_from_codes(layers)
+    for l, layer in enumerate(layers):
+        n = layer.key_store.n
+        k_hat = decoded[l][0]
+        k = aqua.rope(k_hat.reshape(1, n, H, D).permute(0, 2, 1, 3), torch.arange(4, 4 + n), INV_FREQ)
+        torch.testing.assert_close(layer.dequantized()[0][:, :, 4 : 4 + n], k.to(layer.dtype).float())
+
+
 def test_memory_and_bits():
     cache = ModelKVCache(AquaConfig(predictors=_random_predictors(2)), num_layers=2)
     _fill(cache, [132])
@@ -212,5 +275,10 @@ def test_kvkernels_cache_by_format_name_in_generate():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False)
     assert out.shape == (1, 110) and cache.paths["fused"] == 3 * 39
     assert cache.layers[1].cache.chunks[-1][1] > 70  # decode steps committed chunks too
+    # mode (a) through generate(): the same tokens, with no reconstruction kept
+    rebuilt = KVKernelsCache("aqua", config=model.config, predictors=preds, block=32, recompute=True)
+    with torch.no_grad():
+        out_a = model.generate(ids, past_key_values=rebuilt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out_a, out) and rebuilt.layers[1].cache.memory_bytes()["reconstruction"] == 0
     with pytest.raises(ValueError, match="unknown method 'aqua2'"):
         method_config("aqua2")

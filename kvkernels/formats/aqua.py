@@ -16,16 +16,26 @@ predicted from the layer below's reconstruction of the same chunk, the residual 
 reconstructed. Layers are appended in layer order within a step (kvkernels.cache), so layer l commits the same
 chunk right after layer l-1 and reads its reconstruction through the LayerContext.
 
-Mode (b), the one built here: each committed chunk is reconstructed once, and the reconstruction (keys re-rotated)
-is kept in the cache dtype and attended directly: what the reference's evaluation does (save_dequantized_values).
-memory_bytes says what that costs: the codes + norms ("quantized", the offloadable representation), the fp16
-reconstruction ("reconstruction", resident), the windows. The layer's last chunk's fp32 pre-RoPE reconstruction is
-kept until the next commit, for the layer above (transient, <= one chunk). Modes (a) (recompute per step) and (c)
-(reduced-rank predictors) are not built.
+Three modes (the issue's (a), (b), (c); docs/FORMATS.md "AQUA-KV" has the cost model):
+- (b), the default (recompute=False): each committed chunk is reconstructed once, and the reconstruction (keys
+  re-rotated) is kept in the cache dtype and attended directly: what the reference's evaluation does
+  (save_dequantized_values). memory_bytes says what that costs: the codes + norms ("quantized", the offloadable
+  representation), the fp16 reconstruction ("reconstruction", resident), the windows.
+- (a) recompute=True: only the codes + norms stay resident. Every step, each layer's attention rebuilds the
+  reconstruction of all its committed tokens with one aqua_reconstruct call per tensor, from the layer below's
+  rebuild of the same step, handed up through the model's LayerContext.scratch, where each layer's rebuild replaces
+  the one below's: two layers' fp32 reconstructions live at a time. Maximum memory saving, a [N, C] x [C, C]
+  (+ [N, 2C] x [2C, C]) GEMM per layer per step.
+- (c) reduced rank: a predictor file calibrated with `--rank r` (kvkernels.aqua.reduce_rank); either mode above.
+  FLOPs per token fall from C^2 to 2rC (keys) and from 2C^2 to 3rC (values).
+In every mode the layer's last chunk's fp32 pre-RoPE reconstruction is kept until the next commit, for the layer
+above's commit (transient, <= one chunk).
 
 Encode and decode agree bit for bit: the reconstruction a commit hands the layer above is aqua_reconstruct of the
 stored codes, the same call reconstruct_from_codes makes later (chunk by chunk, the same shapes), so errors cannot
-compound differently along the 30 layers (tests/test_format_aqua.py).
+compound differently along the 30 layers (tests/test_format_aqua.py). Mode (a) runs the same function over all
+committed rows at once: bitwise the same wherever the GEMM's per-row arithmetic does not depend on the row count
+(the CUDA and Triton kernels: no split-K, a fixed K order per row; CPU BLAS: observed for chunks of >= 128 rows).
 
 Predictors come from a file written by `python -m kvkernels calibrate aqua` (kvkernels.aqua), given as the config
 field `predictors` (a path or a loaded kvkernels.aqua.AquaPredictors):
@@ -34,6 +44,7 @@ field `predictors` (a path or a loaded kvkernels.aqua.AquaPredictors):
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +69,8 @@ class AquaConfig(SameForBothTensors):
                       head_dim: one group per head at 64), Hadamard signs; must match the calibration's
     w_sink:           first tokens kept fp16 (4)
     block:            fp16 tail tokens that trigger a commit of the whole tail (128)
+    recompute:        mode (a): keep only the codes, rebuild the reconstruction every step (module docstring);
+                      False = mode (b), keep the fp16 reconstruction resident
     """
 
     predictors: object = field(default=None, compare=False)
@@ -68,6 +81,7 @@ class AquaConfig(SameForBothTensors):
     signs_seed: int | None = None
     w_sink: int = 4
     block: int = 128
+    recompute: bool = False
 
     mode = "lattice"
 
@@ -81,6 +95,8 @@ class AquaConfig(SameForBothTensors):
         check_window("w_sink", self.w_sink)
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
             raise ValueError(f"block must be a positive int, got {self.block!r}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute must be a bool, got {self.recompute!r}")
         p = self.predictors
         if p is not None and not isinstance(p, (str, os.PathLike)) and not hasattr(p, "layers"):
             raise ValueError(
@@ -119,6 +135,8 @@ class AquaConfig(SameForBothTensors):
 
 
 _LOADED: dict[tuple[str, float], object] = {}
+_SLOT = "aqua.rebuild"  # mode (a)'s LayerContext.scratch entry
+_VERSIONS = itertools.count()  # layer-state versions: a rebuild is valid for the version it was made from
 
 
 def resolve_predictors(config: AquaConfig):
@@ -182,9 +200,11 @@ class AquaLayerCache(QuantizedLayerCache):
     """One layer of an AQUA-KV cache (module docstring): fp16 sink | committed chunks | fp16 tail.
 
     key_store / value_store: the residual codes (LatticeStore, one row of C channels per token);
-    chunks: the committed (lo, hi) token ranges, counted after the sink; the fp16 reconstructions of the committed
-    tokens (_k_rec post-RoPE, _v_rec); _last: (lo, hi, k_hat_pre, v_hat), fp32 [B * n, C], the last chunk's
-    reconstruction for the layer above.
+    chunks: the committed (lo, hi) token ranges, counted after the sink; mode (b): the fp16 reconstructions of the
+    committed tokens (_k_rec post-RoPE, _v_rec); mode (a): the scratch slot _SLOT holds (layer, version, n,
+    k_hat_pre, v_hat), fp32 [B * n, C], the latest layer's rebuild of its n committed tokens, until the layer above
+    replaces it (_version changes with every commit, crop, batch edit and reset, so a stale rebuild is never read);
+    _last: (lo, hi, k_hat_pre, v_hat), fp32 [B * n, C], the last chunk's reconstruction for the layer above's commit.
     """
 
     format: AquaFormat  # set below
@@ -221,11 +241,12 @@ class AquaLayerCache(QuantizedLayerCache):
 
     def reset(self) -> None:
         super().reset()
-        cap = self.key_store.cap
+        cap = 0 if self.config.recompute else self.key_store.cap
         self._k_rec = _Reconstruction(self.batch, self.num_kv_heads, self.head_dim, cap, self.device, self.dtype)
         self._v_rec = _Reconstruction(self.batch, self.num_kv_heads, self.head_dim, cap, self.device, self.dtype)
         self.chunks: list[tuple[int, int]] = []
         self._last = None
+        self._version = next(_VERSIONS)
 
     # -- writes ----------------------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -265,26 +286,38 @@ class AquaLayerCache(QuantizedLayerCache):
         pos = self._positions(lo, hi)
         k_pre = self._rows(rope(k_post, pos, self.inv_freq, self.preds.rope_scaling, inverse=True))
         v_rows = self._rows(v.to(torch.float32))
-        if self.weights is None:  # layer 0: quantized directly
+        w = self.weights
+        if w is None:  # layer 0: quantized directly
             kp = vp = None
             k_res, v_res = k_pre, v_rows
         else:
             kp, vp = self._below(lo, hi)
-            w = self.weights
-            k_res = k_pre - (kp @ w.key_weight.T + w.key_bias)
+            k_res = k_pre - w.predict("key", kp)
         self.key_store.write(self._heads(k_res, n))
         k_hat = self._reconstruct("key", lo, hi, kp)
-        if self.weights is not None:
-            v_res = v_rows - (k_hat @ w.value_weight_k.T + vp @ w.value_weight_v.T + w.value_bias)
+        if w is not None:
+            v_res = v_rows - w.predict("value", k_hat, vp)
         self.value_store.write(self._heads(v_res, n))
         v_hat = self._reconstruct("value", lo, hi, k_hat, vp)
-        self._k_rec.write(rope(self._heads(k_hat, n), pos, self.inv_freq, self.preds.rope_scaling).to(self.dtype))
-        self._v_rec.write(self._heads(v_hat, n).to(self.dtype))
+        if not self.config.recompute:
+            self._k_rec.write(self._rotated(k_hat, lo, hi))
+            self._v_rec.write(self._heads(v_hat, n).to(self.dtype))
         self.chunks.append((lo, hi))
         self._last = (lo, hi, k_hat, v_hat)
+        self._version = next(_VERSIONS)
+
+    def _rotated(self, k_hat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Pre-RoPE rows [B * n, C] of tokens [lo, hi) -> post-RoPE keys [B, H, n, D] in the cache dtype."""
+        from ..aqua import rope
+
+        k = self._heads(k_hat, hi - lo)
+        return rope(k, self._positions(lo, hi), self.inv_freq, self.preds.rope_scaling).to(self.dtype)
+
+    def _below_layer(self):
+        return None if self.context is None else self.context.layer(self.layer_idx - 1)
 
     def _below(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        below = None if self.context is None else self.context.layer(self.layer_idx - 1)
+        below = self._below_layer()
         last = None if below is None else getattr(below, "_last", None)
         if last is None or last[:2] != (lo, hi):
             have = "nothing" if last is None else f"tokens [{last[0]}, {last[1]})"
@@ -305,31 +338,75 @@ class AquaLayerCache(QuantizedLayerCache):
         grid, G, signs = self.lattice_args
         if self.weights is None:
             return ops.lattice_dequantize(codes, norms, grid, G, signs)
-        w = self.weights
-        if tensor == "key":
-            return ops.aqua_reconstruct(prev, w.key_weight, w.key_bias, codes, norms, grid, G, signs)
-        return ops.aqua_reconstruct(
-            prev, w.value_weight_k, w.value_bias, codes, norms, grid, G, signs, prev_v, w.value_weight_v
-        )
+        return self.weights.reconstruct(tensor, prev, codes, norms, grid, G, signs, prev_v)
 
-    # -- the attention hooks: mode (b) attends the stored reconstruction ---------------------------------------
+    def _scratch(self) -> dict:
+        if self.context is not None:
+            return self.context.scratch
+        if not hasattr(self, "_own_scratch"):  # a standalone layer (no model): its own slot
+            self._own_scratch = {}
+        return self._own_scratch
+
+    def _rebuilt(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mode (a): (k_hat_pre, v_hat) fp32 [B * n, C] of all n committed tokens, rebuilt from the codes and the
+        layer below's rebuild (read from the scratch slot if it holds the below layer's current one, else rebuilt
+        down the layers), then put in the slot in place of the layer below's: the layer above reads it next."""
+        n = self.key_store.n
+        scratch = self._scratch()
+        held = scratch.get(_SLOT)
+        if held is not None and held[:3] == (self.layer_idx, self._version, n):
+            return held[3], held[4]
+        if self.weights is None:
+            k = self._reconstruct("key", 0, n, None)
+            v = self._reconstruct("value", 0, n, None)
+        else:
+            below = self._below_layer()
+            if below is None or below.key_store.n != n:
+                have = "no layer" if below is None else f"{below.key_store.n} committed tokens"
+                raise RuntimeError(
+                    f"aqua: layer {self.layer_idx} has {n} committed tokens and needs layer {self.layer_idx - 1}'s, "
+                    f"which has {have}; layers must be appended in order within a step"
+                )
+            kp, vp = below._rebuilt()
+            k = self._reconstruct("key", 0, n, kp)
+            v = self._reconstruct("value", 0, n, k, vp)
+        scratch[_SLOT] = (self.layer_idx, self._version, n, k, v)  # replaces the layer below's: two alive at a time
+        return k, v
+
+    def _committed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE keys and values [B, H, n, D] of the n committed tokens, in the cache dtype: the stored
+        reconstruction (mode b) or this step's rebuild (mode a), the same values either way."""
+        if not self.config.recompute:
+            return self._k_rec.view(), self._v_rec.view()
+        n = self.key_store.n
+        k, v = self._rebuilt()
+        return self._rotated(k, 0, n), self._heads(v, n).to(self.dtype)
+
+    # -- the attention hooks: attend the reconstruction --------------------------------------------------------
     def quantized_key_scores(self, x: torch.Tensor) -> torch.Tensor:
-        return _grouped_matmul(x, self._k_rec.view().to(torch.float32).transpose(2, 3))
+        if not self.config.recompute:
+            return _grouped_matmul(x, self._k_rec.view().to(torch.float32).transpose(2, 3))
+        k, _ = self._rebuilt()
+        return _grouped_matmul(x, self._rotated(k, 0, self.key_store.n).to(torch.float32).transpose(2, 3))
 
     def quantized_value_output(self, p: torch.Tensor) -> torch.Tensor:
-        return _grouped_matmul(p, self._v_rec.view().to(torch.float32))
+        if not self.config.recompute:
+            return _grouped_matmul(p, self._v_rec.view().to(torch.float32))
+        _, v = self._rebuilt()
+        return _grouped_matmul(p, self._heads(v, self.key_store.n).to(self.dtype).to(torch.float32))
 
     # -- reads -----------------------------------------------------------------------------------------------
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.cat([self.sink_keys.float(), self._k_rec.view().float(), self.key_tail.float()], dim=2)
-        v = torch.cat([self.sink_values.float(), self._v_rec.view().float(), self.value_tail.float()], dim=2)
+        k_rec, v_rec = self._committed()
+        k = torch.cat([self.sink_keys.float(), k_rec.float(), self.key_tail.float()], dim=2)
+        v = torch.cat([self.sink_values.float(), v_rec.float(), self.value_tail.float()], dim=2)
         return k, v
 
     def memory_bytes(self) -> dict[str, int]:
         """As QuantizedLayerCache's, plus "reconstruction": the resident fp16 reconstruction of the committed tokens
-        (mode b), counted in total. "quantized" is the codes + norms (the offloadable representation); the
-        predictors (shared by all layers' caches, ~13 MB fp32 for SmolLM2) and the transient last chunk are not
-        counted."""
+        (mode b; 0 in mode a), counted in total. "quantized" is the codes + norms (the offloadable representation);
+        the predictors (shared by all layers' caches, ~13 MB fp32 for SmolLM2), the transient last chunk and mode
+        (a)'s per-step rebuild (two layers' fp32 [B * n, C] K and V at a time) are not counted."""
         out = super().memory_bytes()
         rec = self._k_rec.used_bytes() + self._v_rec.used_bytes()
         out["reconstruction"] = rec
@@ -338,12 +415,38 @@ class AquaLayerCache(QuantizedLayerCache):
         return out
 
     def crop(self, n: int) -> None:
-        raise NotImplementedError(
-            "aqua: crop is not supported yet (a cut inside a chunk would re-encode the layers above)"
-        )
+        """Keep the first n tokens (n < 0: drop the last -n). Nothing is re-encoded: a token's reconstruction
+        depends only on its own codes and its own row in the layer below (the predictors act per token), so a cut
+        inside a committed chunk keeps the chunk's first tokens decodable as they are; the chunk just ends there.
+        Every layer of a model must be cropped alike (DynamicCache.crop does), or the next commit's chunk
+        boundaries differ between layers (a clear error then)."""
+        N = self.seq_len
+        if n < 0:
+            n = max(N + n, 0)
+        if n >= N:
+            return
+        if n == 0:
+            self.reset()
+            return
+        rest = max(n - self.w_sink, 0)  # tokens kept after the sink
+        committed = self.key_store.n
+        if n > self.n_sink and rest >= committed:  # the cut is in the fp16 tail
+            self.key_tail = self.key_tail[:, :, : rest - committed]
+            self.value_tail = self.value_tail[:, :, : rest - committed]
+            return
+        self.n_sink = min(self.n_sink, n)
+        for store in (self.key_store, self.value_store):
+            store.truncate(rest)
+        self.key_tail, self.value_tail = self._empty_window(), self._empty_window()
+        self.chunks = [(lo, min(hi, rest)) for lo, hi in self.chunks if lo < rest]
+        for rec in (self._k_rec, self._v_rec):
+            rec.n = min(rec.n, rest)
+        self._last = None  # the next commit rebuilds _last before the layer above needs it
+        self._version = next(_VERSIONS)
 
     def _map_batch(self, fn) -> None:
         super()._map_batch(fn)
+        self._version = next(_VERSIONS)
         for rec in (self._k_rec, self._v_rec):
             rec.buf = fn(rec.buf)
         if self._last is not None:  # rows are [B * n, C]: the batch transform applies per token block
@@ -396,8 +499,9 @@ class AquaFormat(Format):
         return EffectiveBits(per_value, per_value, per_value, window, window)
 
     def describe(self, config) -> str:
+        mode = "(a), rebuilt every step" if config.recompute else "(b), fp16 reconstruction kept"
         return (
-            f"AQUA-KV mode (b): linear cross-layer predictors + {config.bits}b lattice residual (layer 0: "
+            f"AQUA-KV mode {mode}: linear cross-layer predictors + {config.bits}b lattice residual (layer 0: "
             f"{config.first_layer_bits}b), G {config.group_size}, {config.w_sink} fp16 sinks, commit every "
             f"{config.block} tokens"
         )
