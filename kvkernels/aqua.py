@@ -51,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-SCHEMA = "kvkernels-aqua/1"
+SCHEMA = "kvkernels-aqua/1"  # full-rank predictors (what readers before rank files know)
+SCHEMA_LOW_RANK = "kvkernels-aqua/2"  # rank-r files: key.weight / value.weight are [C, r], with key.down / value.down
 # the model config fields a predictor file is bound to (a different value means different K/V statistics or shapes)
 FINGERPRINT_FIELDS = (
     "model_type",
@@ -192,6 +193,10 @@ class LayerPredictors:
     key_down: torch.Tensor | None = None
     value_down: torch.Tensor | None = None
 
+    def __post_init__(self):
+        if (self.key_down is None) != (self.value_down is None):
+            raise ValueError("LayerPredictors: key_down and value_down are both given (rank r) or both None")
+
     @property
     def rank(self) -> int | None:
         """None for full-rank predictors, else r."""
@@ -203,12 +208,16 @@ class LayerPredictors:
         """(a, w, a2, w2): the prediction of `which` ("key": prev = k_hat_{l-1}; "value": prev = k_hat_l, prev_v =
         v_hat_{l-1}) is a @ w^T (+ a2 @ w2^T) + bias, aqua_reconstruct's GEMM operands. Full rank: the inputs and
         the weight (the value weight split column-wise, so [k_hat ; v_prev_hat] is never formed). Rank r: the
-        projected input z = down @ x [T, r] (one small GEMM per input: the only intermediate written) and up."""
+        projected input z = down @ x [T, r] (a small GEMM per input) and up. Inputs are cast to the weights' dtype:
+        fp16 / bf16 weights put the op on tensor cores (AquaConfig.operands)."""
+        dt = self.key_weight.dtype
+        prev = prev.to(dt)
         if which == "key":
             if self.key_down is None:
                 return prev, self.key_weight, None, None
             return prev @ self.key_down.T, self.key_weight, None, None
         C = self.value_bias.shape[0]
+        prev_v = prev_v.to(dt)
         if self.value_down is None:
             return prev, self.value_weight[:, :C], prev_v, self.value_weight[:, C:]
         return prev @ self.value_down[:, :C].T + prev_v @ self.value_down[:, C:].T, self.value_weight, None, None
@@ -217,11 +226,11 @@ class LayerPredictors:
         return self.key_bias if which == "key" else self.value_bias
 
     def predict(self, which: str, prev: torch.Tensor, prev_v: torch.Tensor | None = None) -> torch.Tensor:
-        """The prediction [T, C], fp32 arithmetic in aqua_reconstruct's order ((a w^T + a2 w2^T) + bias)."""
+        """The prediction [T, C], fp32 arithmetic on the op's operands in its order ((a w^T + a2 w2^T) + bias)."""
         a, w, a2, w2 = self.operands(which, prev, prev_v)
-        out = a @ w.T
+        out = a.float() @ w.float().T
         if a2 is not None:
-            out = out + a2 @ w2.T
+            out = out + a2.float() @ w2.float().T
         return out + self.bias(which)
 
     def reconstruct(self, which, prev, codes, norms, grid, group_size, signs, prev_v=None) -> torch.Tensor:
@@ -256,7 +265,7 @@ def reduce_rank(
     down = V^T W, bias = b + (W - V V^T W) mu. Among rank-r maps it is the least-squares fit to the full fit's
     predictions on X (float64 inside, fp32 out)."""
     d_out, d_in = W.shape
-    if not (isinstance(rank, int) and 1 <= rank < min(d_out, d_in)):
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 1 <= rank < min(d_out, d_in)):
         raise ValueError(f"reduce_rank: rank must be an int in [1, {min(d_out, d_in)}), got {rank!r}")
     Xd, Wd, bd = X.double(), W.double(), b.double()
     mu = Xd.mean(0)
@@ -326,8 +335,9 @@ class AquaPredictors:
             ):
                 if t is not None:
                     tensors[f"layers.{l}.{name}"] = t.float().contiguous().cpu()
+        low_rank = any(p is not None and p.rank is not None for p in self.layers)
         meta = {
-            "format": SCHEMA,
+            "format": SCHEMA_LOW_RANK if low_rank else SCHEMA,
             "num_layers": str(self.num_layers),
             "rope_scaling": repr(float(self.rope_scaling)),
             "model": json.dumps(self.model, sort_keys=True),
@@ -349,9 +359,10 @@ def load_predictors(path: Path | str, config=None, model=None, device="cpu") -> 
         raise FileNotFoundError(f"no AQUA-KV predictor file at {path} (make one: python -m kvkernels calibrate aqua)")
     with safe_open(str(path), framework="pt", device=str(device)) as f:
         meta = f.metadata() or {}
-        if meta.get("format") != SCHEMA:
+        if meta.get("format") not in (SCHEMA, SCHEMA_LOW_RANK):
             raise ValueError(
-                f"{path} is not an AQUA-KV predictor file ({SCHEMA}), its format is {meta.get('format')!r}"
+                f"{path} is not an AQUA-KV predictor file ({SCHEMA} or {SCHEMA_LOW_RANK}), its format is "
+                f"{meta.get('format')!r}"
             )
         n = int(meta["num_layers"])
         names = set(f.keys())
@@ -601,6 +612,12 @@ def calibrate(
         articles = quality.load_articles()
         corpus_name = corpus_name or f"{quality.CORPUS_PIP}:{quality.CORPUS_FILE}"
 
+    C = model.config.num_key_value_heads * getattr(
+        model.config, "head_dim", model.config.hidden_size // model.config.num_attention_heads
+    )
+    if settings.rank is not None and not settings.rank < C:
+        raise ValueError(f"rank must be < C = H_kv * head_dim = {C} (a rank-C predictor is the full one), got "
+                         f"{settings.rank}")  # fmt: skip
     encode = quality.text_encoder(tokenizer)
     n_train = -(-settings.tokens // settings.seqlen)
     n_valid = -(-settings.valid_tokens // settings.seqlen) if settings.valid_tokens else 0
@@ -686,10 +703,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=d.seqlen, help=f"tokens per forward window (default {d.seqlen})")
     p.add_argument("--bits", type=int, default=d.backbone.bits, choices=(2, 3, 4), help="backbone bits, layers >= 1")
     p.add_argument(
-        "--rank", type=int, help="mode (c): rank-r predictors (FLOPs / C / 2r for keys, 2C / 3r for values)"
+        "--rank",
+        type=int,
+        help="mode (c): rank-r predictors, r < C = H_kv * head_dim; FLOPs per token fall by C / 2r (keys) and "
+        "2C / 3r (values), so only r < C / 2 saves on both",
     )
     p.add_argument("--reg", type=float, default=d.reg, help=f"ridge damping rate (default {d.reg:g})")
-    p.add_argument("--out", type=Path, help="predictor file (default build/aqua/<model folder name>.safetensors)")
+    p.add_argument(
+        "--out", type=Path, help="predictor file (default build/aqua/<model folder name>[-r<rank>].safetensors)"
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--no-progress", action="store_true")
     return p

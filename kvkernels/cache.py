@@ -36,6 +36,11 @@ class LayerContext:
         return layers[idx] if 0 <= idx < len(layers) else None
 
     @property
+    def num_layers(self) -> int | None:
+        """The model's layer count, or None when it grows as layers are created."""
+        return self.model.num_layers
+
+    @property
     def scratch(self) -> dict:
         """A dict the model's layers share for transient hand-offs within a step (AQUA-KV's mode (a) passes its
         per-step rebuild up through it, each layer's replacing the one below's, so only two are alive at a time).
@@ -128,6 +133,7 @@ class ModelKVCache:
     def reset(self) -> None:
         for layer in self._created():
             layer.reset()
+        self.scratch.clear()
 
     def crop(self, n: int) -> None:
         # from the top layer down: a cross-layer layer may read the layer below while it crops (XQuant's borrowed

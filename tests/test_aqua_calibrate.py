@@ -156,7 +156,9 @@ def test_reduce_rank_is_exact_for_a_low_rank_map_and_optimal_otherwise():
     eig = torch.linalg.eigvalsh((full - full.mean(0)).T @ (full - full.mean(0)))  # ascending
     assert err == pytest.approx(float(eig[:-4].sum()), rel=1e-4)
     assert torch.allclose(up.T @ up, torch.eye(4), atol=1e-5)  # orthonormal columns
-    for bad in (0, 10, 2.5):
+    with pytest.raises(ValueError, match="both given"):
+        aqua.LayerPredictors(W, b, W, b, key_down=down)
+    for bad in (0, 10, 2.5, True):
         with pytest.raises(ValueError, match="rank must be"):
             aqua.reduce_rank(X, W, b, bad)
     with pytest.raises(ValueError, match="rank must be"):
@@ -218,9 +220,15 @@ def test_calibrate_save_load_and_fingerprint(tmp_path, rank):
     if rank:
         assert preds.layers[1].key_weight.shape == (64, rank) and preds.layers[1].value_down.shape == (rank, 128)
     path = preds.save(tmp_path / "p.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # a reader that predates rank files refuses them by name
+        assert f.metadata()["format"] == (aqua.SCHEMA if rank is None else aqua.SCHEMA_LOW_RANK)
     back = aqua.load_predictors(path, model=model)
     for a, b in zip(preds.layers[1:], back.layers[1:], strict=True):
         assert all(_same(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
+    with pytest.raises(ValueError, match="rank must be < C = H_kv \\* head_dim = 64"):
+        aqua.calibrate(model, _CharTokenizer(), articles, dataclasses.replace(TINY, rank=64), progress=False)
     assert torch.equal(back.inv_freq, model.model.rotary_emb.inv_freq.float())
     assert back.settings["backbone"]["group_size"] == 32 and back.backbone == TINY.backbone
     other = tiny_llama(head_dim=32, layers=4, kv_heads=2)

@@ -38,19 +38,21 @@ def _random_predictors(layers, seed=0, bits=2, rank=None):
 
 
 def _fill(cache: ModelKVCache, steps, seed=0, B=1, layers=None):
-    """Append random post-RoPE K/V in the given step sizes to every layer in order; record each layer's last
-    committed chunk reconstruction (the encode path's output handed to the layer above) as it appears."""
+    """Append random post-RoPE K/V in the given step sizes to every layer in order; record each layer's committed
+    chunk reconstructions (the encode path's output, handed to the layer above through the scratch: (layer, version,
+    lo, hi, k_hat, v_hat)) as they appear. The top layer hands nothing up."""
     g = torch.Generator().manual_seed(seed)
     L = cache.num_layers
     seen = [[] for _ in range(L)]
     for n in steps:
         for l in range(L):
             k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
-            before = cache.layer(l)._last if cache.layer(l) is not None else None
+            before = cache.scratch.get("aqua.chunk")
             cache.append(l, k, v)
-            last = cache.layer(l)._last
-            if last is not None and last is not before:
-                seen[l].append(last)
+            held = cache.scratch.get("aqua.chunk")
+            if held is not None and held is not before:
+                assert held[0] == l
+                seen[l].append(held[2:])
     return seen
 
 
@@ -61,16 +63,20 @@ def test_encode_and_decode_agree_bitwise_over_30_layers():
     layers = [cache.layer(l) for l in range(30)]
     assert layers[0].chunks == [(0, 196), (196, 324)] and all(c.chunks == layers[0].chunks for c in layers)
     decoded = reconstruct_from_codes(layers)
+    assert seen[29] == [] and all(len(seen[l]) == 2 for l in range(29))
     for l, layer in enumerate(layers):
-        # the encode path's reconstructions, concatenated per token ([B * n, C] rows per chunk, B = 1)
-        k_enc = torch.cat([s[2] for s in seen[l]])
-        v_enc = torch.cat([s[3] for s in seen[l]])
-        assert torch.equal(decoded[l][0], k_enc) and torch.equal(decoded[l][1], v_enc), f"layer {l}"
-        # and what attention reads is that reconstruction, re-rotated, in the cache dtype
+        # the encode path's reconstructions, concatenated per token ([B * n, C] rows per chunk, B = 1); the top
+        # layer hands none up: its decode is checked against what attention reads, below
+        if l < 29:
+            k_enc = torch.cat([s[2] for s in seen[l]])
+            v_enc = torch.cat([s[3] for s in seen[l]])
+            assert torch.equal(decoded[l][0], k_enc) and torch.equal(decoded[l][1], v_enc), f"layer {l}"
+        # what attention reads is the reconstruction, re-rotated, in the cache dtype (fp32 here: exact)
         k_rec = layer._k_rec.view()
         pos = torch.arange(4, 4 + 324)
-        want = aqua.rope(k_enc.reshape(1, 324, H, D).permute(0, 2, 1, 3), pos, INV_FREQ).to(k_rec.dtype)
-        assert torch.equal(k_rec, want)
+        want = aqua.rope(decoded[l][0].reshape(1, 324, H, D).permute(0, 2, 1, 3), pos, INV_FREQ).to(k_rec.dtype)
+        assert torch.equal(k_rec, want) and k_rec.dtype == torch.float32
+        assert torch.equal(layer._v_rec.view(), decoded[l][1].reshape(1, 324, H, D).permute(0, 2, 1, 3))
     assert decoded[29][0].isfinite().all() and decoded[29][0].abs().max() < 100  # bounded after 30 layers
 
 
@@ -167,10 +173,12 @@ def test_recompute_mode_attends_what_the_kept_reconstruction_holds(rank):
         a, b = caches[True].layer(l), caches[False].layer(l)
         assert a.chunks == b.chunks == [(0, 196), (196, 324)]
         torch.testing.assert_close(a.attention(q), b.attention(q), atol=1e-5, rtol=1e-5)
+        # two layers live at a time: layer l's rebuild replaced layer l - 1's; the top layer's is dropped after its
+        # attention, so nothing is held between steps
+        held = caches[True].scratch.get("aqua.rebuild")
+        assert (held is None) if l == 5 else (held[0] == l)
         for x, y in zip(a.dequantized(), b.dequantized(), strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-        # two layers live at a time: attending layer l released layer l - 1's rebuild
-        assert caches[True].scratch["aqua.rebuild"][0] == l  # layer l's rebuild replaced layer l - 1's
     mem_a, mem_b = caches[True].layer(3).memory_bytes(), caches[False].layer(3).memory_bytes()
     assert mem_a["reconstruction"] == 0 < mem_b["reconstruction"] and mem_a["quantized"] == mem_b["quantized"]
     assert mem_a["total"] == mem_b["total"] - mem_b["reconstruction"]
@@ -180,6 +188,98 @@ def test_recompute_mode_attends_what_the_kept_reconstruction_holds(rank):
         k, v = caches[True].layer(l)._rebuilt()
         torch.testing.assert_close(k, decoded[l][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, decoded[l][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("operands", ["bf16", "fp16"])
+def test_half_operands_put_the_op_on_tensor_cores_and_stay_consistent(operands):
+    # operands="bf16"/"fp16": the predictor GEMMs' inputs and weights rounded to it (the op's tensor-core path);
+    # encode and decode use the same operands, so the decode path still reproduces what was encoded, mode (a) still
+    # attends what mode (b) keeps, and the reconstruction stays close to the fp32-operand one
+    preds = _random_predictors(4)
+    caches = {
+        (ops_, rec): ModelKVCache(AquaConfig(predictors=preds, operands=ops_, recompute=rec), num_layers=4)
+        for ops_ in (operands, "fp32")
+        for rec in (False, True)
+    }
+    g = torch.Generator().manual_seed(15)
+    kv = [(torch.randn(1, H, 200, D, generator=g), torch.randn(1, H, 200, D, generator=g)) for _ in range(4)]
+    for cache in caches.values():
+        for l, (k, v) in enumerate(kv):
+            cache.append(l, k, v)
+    half = caches[(operands, False)]
+    assert half.layer(1).weights.key_weight.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[operands]
+    decoded = reconstruct_from_codes([half.layer(l) for l in range(4)])
+    torch.testing.assert_close(half.layer(3)._v_rec.view(), decoded[3][1].reshape(1, 196, H, D).permute(0, 2, 1, 3))
+    q = torch.randn(1, 9, 1, D, generator=torch.Generator().manual_seed(16))
+    _assert_modes_agree(caches[(operands, True)], half, q)
+    full = caches[("fp32", False)]
+    for l, (k, v) in enumerate(kv):  # as accurate as fp32 operands, against the K/V that went in
+        for got, want, x in zip(half.layer(l).dequantized(), full.layer(l).dequantized(), (k, v), strict=True):
+            assert aqua.rel_mse(got, x) < 1.02 * aqua.rel_mse(want, x), l
+    with pytest.raises(ValueError, match="operands must be one of"):
+        AquaConfig(operands="float8")
+
+
+def _both_modes(preds, layers):
+    return [ModelKVCache(AquaConfig(predictors=preds, recompute=mode), num_layers=layers) for mode in (True, False)]
+
+
+def _assert_modes_agree(a: ModelKVCache, b: ModelKVCache, q):
+    for l in range(a.num_layers):
+        assert a.layer(l).chunks == b.layer(l).chunks
+        torch.testing.assert_close(a.layer(l).attention(q), b.layer(l).attention(q), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_edits_and_reset_keep_the_two_modes_in_step():
+    # B = 3 rows, batch-major everywhere; reorder / batch_select / batch_repeat_interleave between steps (beam
+    # search), a commit after each, then a reset and a new prefill: mode (a)'s rebuild (scratch entries keyed by the
+    # layer's state version) must follow every edit, and a B = 1 cache of one row must equal that row
+    preds = _random_predictors(3, rank=16)
+    a, b = _both_modes(preds, 3)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(3, 9, 1, D, generator=g)
+    for cache in (a, b):
+        _fill(cache, [150, 1], seed=9, B=3)
+    _assert_modes_agree(a, b, q)
+    for edit in ("reorder", "select", "repeat"):
+        a.layer(0).attention(q)  # leaves layer 0's rebuild in the scratch: the edit must make it stale
+        for cache in (a, b):
+            for l in range(3):
+                layer = cache.layer(l)
+                if edit == "reorder":
+                    layer.reorder(torch.tensor([2, 0, 1]))
+                elif edit == "select":
+                    layer.batch_select(torch.tensor([0, 2, 1]))
+                else:
+                    layer.batch_select(torch.tensor([1]))
+                    layer.batch_repeat_interleave(3)
+        torch.testing.assert_close(a.layer(0).attention(q), b.layer(0).attention(q), atol=1e-5, rtol=1e-5)
+        for cache in (a, b):
+            _fill(cache, [60, 70], seed=10, B=3)  # commits once more after the edit
+        _assert_modes_agree(a, b, q)
+    # one row alone attends as that row of the batch (per-token predictors, per-row codes: rows never mix)
+    batch, single = _both_modes(preds, 3)[0], _both_modes(preds, 3)[0]
+    for step in (150, 1):
+        for l in range(3):
+            k, v = torch.randn(3, H, step, D, generator=g), torch.randn(3, H, step, D, generator=g)
+            batch.append(l, k, v)
+            single.append(l, k[1:2], v[1:2])
+    torch.testing.assert_close(single.layer(2).attention(q[1:2]), batch.layer(2).attention(q)[1:2])
+    for cache in (a, b):
+        cache.reset()
+        assert cache.scratch == {}
+        _fill(cache, [140], seed=11, B=3)
+    _assert_modes_agree(a, b, q)
+
+
+def test_filled_under_inference_mode_appends_outside_it():
+    # a cache filled under torch.inference_mode() and appended to under no_grad (its buffers are cloned once)
+    for cache in _both_modes(_random_predictors(2), 2):
+        with torch.inference_mode():
+            _fill(cache, [120], seed=12)
+        with torch.no_grad():
+            _fill(cache, [20], seed=13)  # commits: writes into the stores and the reconstruction
+        assert cache.layer(1).chunks == [(0, 136)]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -210,6 +310,13 @@ def test_crop_keeps_a_decodable_prefix_and_goes_on(recompute, cut):
         k_hat = decoded[l][0]
         k = aqua.rope(k_hat.reshape(1, n, H, D).permute(0, 2, 1, 3), torch.arange(4, 4 + n), INV_FREQ)
         torch.testing.assert_close(layer.dequantized()[0][:, :, 4 : 4 + n], k.to(layer.dtype).float())
+    if recompute:  # the same history in mode (b), whose commits keep what they encoded: the same attention
+        kept = ModelKVCache(AquaConfig(predictors=preds), num_layers=3)
+        _fill(kept, [200, 124, 76], seed=6)
+        for l in range(3):
+            kept.layer(l).crop(cut)
+        _fill(kept, [150, 1], seed=7)
+        _assert_modes_agree(cache, kept, torch.randn(1, 9, 1, D, generator=torch.Generator().manual_seed(14)))
 
 
 def test_memory_and_bits():

@@ -28,14 +28,15 @@ Three modes (the issue's (a), (b), (c); docs/FORMATS.md "AQUA-KV" has the cost m
   (+ [N, 2C] x [2C, C]) GEMM per layer per step.
 - (c) reduced rank: a predictor file calibrated with `--rank r` (kvkernels.aqua.reduce_rank); either mode above.
   FLOPs per token fall from C^2 to 2rC (keys) and from 2C^2 to 3rC (values).
-In every mode the layer's last chunk's fp32 pre-RoPE reconstruction is kept until the next commit, for the layer
-above's commit (transient, <= one chunk).
+In every mode a commit hands the chunk's fp32 pre-RoPE reconstruction to the layer above's commit through the same
+scratch (one slot, each layer's replacing the one below's, the top layer's not stored): transient, one layer's chunk.
 
 Encode and decode agree bit for bit: the reconstruction a commit hands the layer above is aqua_reconstruct of the
-stored codes, the same call reconstruct_from_codes makes later (chunk by chunk, the same shapes), so errors cannot
-compound differently along the 30 layers (tests/test_format_aqua.py). Mode (a) runs the same function over all
-committed rows at once: bitwise the same wherever the GEMM's per-row arithmetic does not depend on the row count
-(the CUDA and Triton kernels: no split-K, a fixed K order per row; CPU BLAS: observed for chunks of >= 128 rows).
+stored codes, the same call reconstruct_from_codes makes later (chunk by chunk), so errors cannot compound
+differently along the 30 layers (tests/test_format_aqua.py). Mode (a), and the decode of a chunk cut by crop, run the
+same function over other row counts: bitwise the same wherever the GEMMs' per-row arithmetic does not depend on the
+row count (the op's CUDA and Triton kernels: no split-K, a fixed K order per row; rank r's small projection GEMM is
+torch's; CPU BLAS: observed so; the tests hold mode (a) to mode (b) at 1e-5).
 
 Predictors come from a file written by `python -m kvkernels calibrate aqua` (kvkernels.aqua), given as the config
 field `predictors` (a path or a loaded kvkernels.aqua.AquaPredictors):
@@ -57,6 +58,9 @@ from .base import EffectiveBits, Format, QuantizedLayerCache, SameForBothTensors
 from .lattice import LATTICE_BITS, LatticeConfig, LatticeStore
 
 
+_OPERAND_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # AquaConfig.operands
+
+
 @dataclass(frozen=True)
 class AquaConfig(SameForBothTensors):
     """AQUA-KV cache format.
@@ -71,6 +75,9 @@ class AquaConfig(SameForBothTensors):
     block:            fp16 tail tokens that trigger a commit of the whole tail (128)
     recompute:        mode (a): keep only the codes, rebuild the reconstruction every step (module docstring);
                       False = mode (b), keep the fp16 reconstruction resident
+    operands:         the predictor GEMMs' operand dtype, "fp32" (exactly the calibration's arithmetic; the op's
+                      slow path on a GPU), "bf16" or "fp16" (weights and inputs rounded to it, fp32 accumulation:
+                      the op's tensor-core path); the encode and decode paths use the same operands either way
     """
 
     predictors: object = field(default=None, compare=False)
@@ -82,6 +89,7 @@ class AquaConfig(SameForBothTensors):
     w_sink: int = 4
     block: int = 128
     recompute: bool = False
+    operands: str = "fp32"
 
     mode = "lattice"
 
@@ -97,6 +105,8 @@ class AquaConfig(SameForBothTensors):
             raise ValueError(f"block must be a positive int, got {self.block!r}")
         if not isinstance(self.recompute, bool):
             raise ValueError(f"recompute must be a bool, got {self.recompute!r}")
+        if self.operands not in _OPERAND_DTYPES:
+            raise ValueError(f"operands must be one of {sorted(_OPERAND_DTYPES)}, got {self.operands!r}")
         p = self.predictors
         if p is not None and not isinstance(p, (str, os.PathLike)) and not hasattr(p, "layers"):
             raise ValueError(
@@ -135,7 +145,8 @@ class AquaConfig(SameForBothTensors):
 
 
 _LOADED: dict[tuple[str, float], object] = {}
-_SLOT = "aqua.rebuild"  # mode (a)'s LayerContext.scratch entry
+_REBUILD = "aqua.rebuild"  # LayerContext.scratch entries (AquaLayerCache's docstring)
+_CHUNK = "aqua.chunk"
 _VERSIONS = itertools.count()  # layer-state versions: a rebuild is valid for the version it was made from
 
 
@@ -201,10 +212,11 @@ class AquaLayerCache(QuantizedLayerCache):
 
     key_store / value_store: the residual codes (LatticeStore, one row of C channels per token);
     chunks: the committed (lo, hi) token ranges, counted after the sink; mode (b): the fp16 reconstructions of the
-    committed tokens (_k_rec post-RoPE, _v_rec); mode (a): the scratch slot _SLOT holds (layer, version, n,
-    k_hat_pre, v_hat), fp32 [B * n, C], the latest layer's rebuild of its n committed tokens, until the layer above
-    replaces it (_version changes with every commit, crop, batch edit and reset, so a stale rebuild is never read);
-    _last: (lo, hi, k_hat_pre, v_hat), fp32 [B * n, C], the last chunk's reconstruction for the layer above's commit.
+    committed tokens (_k_rec post-RoPE, _v_rec). In the model's scratch (LayerContext.scratch): _REBUILD = (layer,
+    version, n, k_hat_pre, v_hat), mode (a)'s latest rebuild of a layer's n committed tokens, and _CHUNK = (layer,
+    version, lo, hi, k_hat_pre, v_hat), the latest commit's chunk reconstruction, all fp32 [B * rows, C], each until
+    the layer above replaces it. _version changes with every commit, crop, batch edit and reset, so a stale entry is
+    never read; a layer drops its own entries when its state changes.
     """
 
     format: AquaFormat  # set below
@@ -228,7 +240,7 @@ class AquaLayerCache(QuantizedLayerCache):
             raise ValueError(f"aqua: the predictors' RoPE is for head_dim {self.preds.inv_freq.numel() * 2}")
         super().__init__(config, batch, num_kv_heads, head_dim, capacity, device, dtype, context=context)
         p = self.preds.layers[self.layer_idx]
-        self.weights = None if p is None else p.to(self.device, torch.float32)
+        self.weights = None if p is None else p.to(self.device, _OPERAND_DTYPES[config.operands])
         self.inv_freq = self.preds.inv_freq.to(self.device, torch.float32)
         self.lattice_args = self._lattice_args()
 
@@ -245,8 +257,20 @@ class AquaLayerCache(QuantizedLayerCache):
         self._k_rec = _Reconstruction(self.batch, self.num_kv_heads, self.head_dim, cap, self.device, self.dtype)
         self._v_rec = _Reconstruction(self.batch, self.num_kv_heads, self.head_dim, cap, self.device, self.dtype)
         self.chunks: list[tuple[int, int]] = []
-        self._last = None
+        self._new_version()
+
+    def _new_version(self) -> None:
+        """The layer's state changed: entries it left in the scratch are stale; drop them (memory) and re-key."""
+        if hasattr(self, "_version"):
+            scratch = self._scratch()
+            for slot in (_REBUILD, _CHUNK):
+                held = scratch.get(slot)
+                if held is not None and held[:2] == (self.layer_idx, self._version):
+                    del scratch[slot]
         self._version = next(_VERSIONS)
+
+    def _is_top(self) -> bool:
+        return self.context is None or self.context.num_layers == self.layer_idx + 1
 
     # -- writes ----------------------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -255,6 +279,8 @@ class AquaLayerCache(QuantizedLayerCache):
         self._check_kv(k, v)
         if k.shape[2] == 0:
             return
+        if self._sink_k.is_inference() and not torch.is_inference_mode_enabled():
+            self._map_batch(torch.clone)  # buffers made under inference_mode cannot be written in place outside it
         k, v = k.to(self.dtype), v.to(self.dtype)
         take = min(self.w_sink - self.n_sink, k.shape[2])
         if take:
@@ -303,8 +329,9 @@ class AquaLayerCache(QuantizedLayerCache):
             self._k_rec.write(self._rotated(k_hat, lo, hi))
             self._v_rec.write(self._heads(v_hat, n).to(self.dtype))
         self.chunks.append((lo, hi))
-        self._last = (lo, hi, k_hat, v_hat)
-        self._version = next(_VERSIONS)
+        self._new_version()
+        if not self._is_top():  # for the layer above's commit of the same chunk; replaces the layer below's
+            self._scratch()[_CHUNK] = (self.layer_idx, self._version, lo, hi, k_hat, v_hat)
 
     def _rotated(self, k_hat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Pre-RoPE rows [B * n, C] of tokens [lo, hi) -> post-RoPE keys [B, H, n, D] in the cache dtype."""
@@ -317,16 +344,17 @@ class AquaLayerCache(QuantizedLayerCache):
         return None if self.context is None else self.context.layer(self.layer_idx - 1)
 
     def _below(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer below's reconstruction of the chunk [lo, hi) this layer commits, from its commit."""
         below = self._below_layer()
-        last = None if below is None else getattr(below, "_last", None)
-        if last is None or last[:2] != (lo, hi):
-            have = "nothing" if last is None else f"tokens [{last[0]}, {last[1]})"
+        held = self._scratch().get(_CHUNK)
+        if below is None or held is None or held[:4] != (self.layer_idx - 1, below._version, lo, hi):
+            have = "nothing" if held is None else f"layer {held[0]}'s tokens [{held[2]}, {held[3]})"
             raise RuntimeError(
                 f"aqua: layer {self.layer_idx} commits tokens [{lo}, {hi}) and needs layer {self.layer_idx - 1}'s "
-                f"reconstruction of them, which holds {have}; layers must be appended in order within a step "
-                "(ModelKVCache, KVKernelsCache do)"
+                f"reconstruction of them, and the model's hand-off holds {have}; layers must be appended in order "
+                "within a step (ModelKVCache, KVKernelsCache do)"
             )
-        return last[2], last[3]
+        return held[4], held[5]
 
     def _reconstruct(self, tensor: str, lo: int, hi: int, prev, prev_v=None) -> torch.Tensor:
         """fp32 [B * n, C] reconstruction of tokens [lo, hi) of `tensor` from its codes and the layer below's
@@ -353,7 +381,7 @@ class AquaLayerCache(QuantizedLayerCache):
         down the layers), then put in the slot in place of the layer below's: the layer above reads it next."""
         n = self.key_store.n
         scratch = self._scratch()
-        held = scratch.get(_SLOT)
+        held = scratch.get(_REBUILD)
         if held is not None and held[:3] == (self.layer_idx, self._version, n):
             return held[3], held[4]
         if self.weights is None:
@@ -370,7 +398,7 @@ class AquaLayerCache(QuantizedLayerCache):
             kp, vp = below._rebuilt()
             k = self._reconstruct("key", 0, n, kp)
             v = self._reconstruct("value", 0, n, k, vp)
-        scratch[_SLOT] = (self.layer_idx, self._version, n, k, v)  # replaces the layer below's: two alive at a time
+        scratch[_REBUILD] = (self.layer_idx, self._version, n, k, v)  # replaces the layer below's: two alive at a time
         return k, v
 
     def _committed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,7 +421,10 @@ class AquaLayerCache(QuantizedLayerCache):
         if not self.config.recompute:
             return _grouped_matmul(p, self._v_rec.view().to(torch.float32))
         _, v = self._rebuilt()
-        return _grouped_matmul(p, self._heads(v, self.key_store.n).to(self.dtype).to(torch.float32))
+        out = _grouped_matmul(p, self._heads(v, self.key_store.n).to(self.dtype).to(torch.float32))
+        if self._is_top():  # no layer above reads it: hold nothing between steps
+            self._new_version()
+        return out
 
     # -- reads -----------------------------------------------------------------------------------------------
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,19 +472,13 @@ class AquaLayerCache(QuantizedLayerCache):
         self.chunks = [(lo, min(hi, rest)) for lo, hi in self.chunks if lo < rest]
         for rec in (self._k_rec, self._v_rec):
             rec.n = min(rec.n, rest)
-        self._last = None  # the next commit rebuilds _last before the layer above needs it
-        self._version = next(_VERSIONS)
+        self._new_version()
 
     def _map_batch(self, fn) -> None:
         super()._map_batch(fn)
-        self._version = next(_VERSIONS)
+        self._new_version()  # hand-offs are within a step; batch edits come between steps
         for rec in (self._k_rec, self._v_rec):
             rec.buf = fn(rec.buf)
-        if self._last is not None:  # rows are [B * n, C]: the batch transform applies per token block
-            lo, hi, k_hat, v_hat = self._last
-            n = hi - lo
-            k_hat, v_hat = (fn(t.reshape(-1, n, t.shape[-1])).reshape(-1, t.shape[-1]) for t in (k_hat, v_hat))
-            self._last = (lo, hi, k_hat, v_hat)
 
 
 def reconstruct_from_codes(layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
