@@ -17,6 +17,10 @@ pipe in issue-slot equivalents (= 128 x cycles / bytes per warp-iteration), and 
 bytes per SM-clock = bytes / cycles, against H100's ~3.0 TB/s copy bandwidth at 1.98 GHz on 132 SMs (11.5
 B/clock/SM; 85% of it is ~13 weighted instr/byte) and Orin's ~190 GB/s at 1.3 GHz on 16 SMs.
 
+aqua_reconstruct (csrc/cuda/aqua_reconstruct.cu) is a GEMM, not a GEMV: it gets its own table (instructions per
+HMMA of the main loop, the lattice epilogue's instructions per round, registers, resident CTAs) and a whole-launch
+model at a few shapes against the H100's dense tensor-core peak and HBM bandwidth (see AQUA_SOURCE below).
+
 It is a model: latency, occupancy-limited memory parallelism, L2 behaviour and the CTA prologue (staging of the
 query tile) are not in it. Every GPU session should measure the kernels and record model vs measured side by
 side (bench/RESULTS.md).
@@ -56,6 +60,7 @@ MACHINES = {
         "regs_per_sm": 65536,
         "max_warps": 64,
         "max_ctas": 32,
+        "smem_per_sm": 228 * 1024,
     },
     "87": {
         "name": "Jetson Orin",
@@ -64,6 +69,7 @@ MACHINES = {
         "regs_per_sm": 65536,
         "max_warps": 48,
         "max_ctas": 16,
+        "smem_per_sm": 164 * 1024,
     },
 }
 
@@ -518,6 +524,165 @@ def table(rows: list[Row]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+# ---- aqua_reconstruct: a GEMM with a lattice epilogue ------------------------------------------------------------
+# Not a GEMV: its compulsory bytes do not bound it, the tensor cores may. Per instantiation (dtype, WM: 32 x WM tokens
+# x 128 channels per CTA, 2 x WM warps of 32 x 64) the hot loop is one 32-input-channel tile per warp (2 k16 steps x
+# 2 x 8 HMMA); its instructions per HMMA and pipe cycles come from the SASS as above. The epilogue's item loop (one
+# per (grid, G) variant: a round is 8 (token, group) items per warp) is measured the same way, and a whole launch is
+# modelled per SM as throughput: every CTA's loop and epilogue instructions summed per pipe (resident CTAs overlap
+# one's epilogue with the others' MMAs), HMMA at the rate H100's dense peak implies (990 TFLOP/s / (4096 FLOP x
+# 1.98 GHz x 132 SMs) = 0.925 m16n8k16 per clock per SM; the GEMV table's 0.5 is A100's), the busiest SM's share
+# of the CTAs, against the HBM time of the compulsory bytes. Not modelled: latency (a CTA's cp.async pipeline is 2
+# tiles deep), the prologue, mma.sync not reaching wgmma's peak on Hopper, L2. A static model, unverified on a GPU.
+AQUA_SOURCE = "aqua_reconstruct.cu"
+HMMA_FLOP = 2 * 16 * 8 * 16
+H100 = {"clock": 1.98e9, "sms": 132, "tc_flops": 990e12, "hbm": 3.35e12}
+HMMA_PEAK_RATE = H100["tc_flops"] / (HMMA_FLOP * H100["clock"] * H100["sms"])  # ~0.925 per clock per SM
+
+
+def aqua_spec(name: str) -> tuple[str, int] | None:
+    """(operand dtype, WM) of an aqua_reconstruct tensor-core instantiation."""
+    m = re.search(r"aqua_reconstruct_mma_kernel<(true|false), (\d)>", name)
+    return ("bf16" if m.group(1) == "true" else "fp16", int(m.group(2))) if m else None
+
+
+def aqua_smem_bytes(wm: int) -> int:
+    """Dynamic shared memory of a CTA (mirrors csrc/cuda/aqua_reconstruct.cu): the 3-stage pipeline of
+    (32 WM + 128) rows x 64 bytes, or the fp32 epilogue tile 32 WM x 136 if larger; the grid table and scale."""
+    bm = 32 * wm
+    return max(3 * (bm + 128) * 64, bm * 136 * 4) + (1024 + 128) * 4
+
+
+@dataclass
+class AquaRow:
+    kernel: str
+    arch: str
+    dtype: str
+    wm: int
+    regs: int
+    spill: int
+    ctas: int  # resident CTAs per SM (registers, shared memory, warps)
+    loop: dict  # pipe counts of one hot-loop iteration of one warp
+    epilogue: dict[int, dict]  # G -> pipe counts of one item round of one warp (the largest over the four grids)
+    local_memory_in_loop: int
+
+    @property
+    def warps(self) -> int:
+        return 2 * self.wm
+
+
+def aqua_rows(kernels: list[Kernel]) -> list[AquaRow]:
+    rows = []
+    for k in kernels:
+        spec = aqua_spec(k.name)
+        if spec is None or k.arch not in MACHINES:
+            continue
+        hot, _ = hot_loops(k)
+        if hot is None or count(body(k, hot))["hmma"] == 0:
+            raise RuntimeError(f"no HMMA loop found in {k.name} (sm_{k.arch})")
+        loops = find_loops(k)
+        epi: dict[int, dict] = {}
+        for lp in (lp for lp in loops if not any(lp.contains(o) for o in loops)):
+            b = body(k, lp)
+            shfl = sum(1 for _, op, _ in b if op.split(".")[0] == "SHFL")
+            if shfl:  # 2 butterfly stages x G / 4 values per lane: G = 2 x the shuffles of a round
+                c = count(b)
+                g = 2 * shfl
+                if g not in epi or c["issue"] > epi[g]["issue"]:
+                    epi[g] = c
+        dtype, wm = spec
+        threads = 64 * wm
+        smem_limit = MACHINES[k.arch]["smem_per_sm"] // (aqua_smem_bytes(wm) + 1024)  # + 1 KB reserved per CTA
+        ctas = min(ctas_per_sm(k.regs, threads, k.arch), smem_limit)
+        local = sum(1 for _, op, _ in body(k, hot) if op.split(".")[0] in ("LDL", "STL"))
+        rows.append(AquaRow(k.name, k.arch, dtype, wm, k.regs, k.spill_bytes, ctas, count(body(k, hot)), epi, local))
+    return rows
+
+
+def pipe_cycles(c: dict, arch: str, hmma_rate: float) -> dict[str, float]:
+    rates = {**MACHINES[arch]["rates"], "hmma": hmma_rate}
+    return {p: c[p] / rates[p] for p in rates}
+
+
+def aqua_roofline(rows: list[AquaRow], T: int, C: int, C_in: int, C_in2: int = 0, G: int = 64, bits: int = 2) -> dict:
+    """Modelled H100 time of aqua_reconstruct [T, C] with fp16 / bf16 operands (the launcher's tile choice), as
+    fractions of the dense tensor-core peak and of HBM bandwidth; see the comment above AQUA_SOURCE."""
+    sms = H100["sms"]
+    wm = 1 if -(-T // 64) * -(-C // 128) < sms else 2  # as launch_aqua_reconstruct
+    r = next(x for x in rows if x.arch == "90" and x.wm == wm)
+    bm = 32 * wm
+    ctas = -(-T // bm) * -(-C // 128)
+    tiles = -(-C_in // 32) + -(-C_in2 // 32)
+    rounds = bm * (128 // G) // (r.warps * 8)  # epilogue rounds per warp
+    per_cta = {p: r.warps * (tiles * r.loop[p] + rounds * r.epilogue[G][p]) for p in r.loop}
+    # a warp runs on one of the SM's 4 sub-partitions (each its own issue slot and tensor core): fewer than 4
+    # resident warps leave the rest idle
+    warps_per_sm = min(-(-ctas // sms), r.ctas) * r.warps
+    cyc = {p: c / min(1.0, warps_per_sm / 4) for p, c in pipe_cycles(per_cta, "90", HMMA_PEAK_RATE).items()}
+    bound = max(cyc, key=cyc.get)
+    t_compute = -(-ctas // sms) * cyc[bound] / H100["clock"]
+    flop = 2 * T * C * (C_in + C_in2)
+    nbytes = 2 * (T + C) * (C_in + C_in2) + T * C * bits // 8 + 2 * T * (C // G) + 4 * T * C + 4 * C
+    t_mem = nbytes / H100["hbm"]
+    t = max(t_compute, t_mem)
+    return {
+        "wm": wm,
+        "ctas": ctas,
+        "active_sms": min(ctas, sms),
+        "warps_per_sm": warps_per_sm,
+        "flop": flop,
+        "bytes": nbytes,
+        "t_compute": t_compute,
+        "t_mem": t_mem,
+        "bound": f"SM pipes ({bound})" if t_compute >= t_mem else "HBM",
+        "pct_peak": 100 * flop / t / H100["tc_flops"],
+        "pct_hbm": 100 * nbytes / t / H100["hbm"],
+        "hmma_share": cyc["hmma"] / cyc[bound],
+    }
+
+
+AQUA_SHAPES = {  # name: (T, C, C_in, C_in2, G): Llama-8B keys / values (C 1024) and SmolLM2 keys (C 192)
+    "C 1024 keys, T 4096": (4096, 1024, 1024, 0, 64),
+    "C 1024 values (C_in2 1024), T 4096": (4096, 1024, 1024, 1024, 64),
+    "C 1024 keys, T 128": (128, 1024, 1024, 0, 64),
+    "C 1024 values, T 128": (128, 1024, 1024, 1024, 64),
+    "C 1024, rank 64, T 4096": (4096, 1024, 64, 0, 64),
+    "C 192 keys, T 128": (128, 192, 192, 0, 64),
+}
+
+
+def aqua_table(rows: list[AquaRow]) -> str:
+    out = [
+        "| kernel | sm | regs | CTAs/SM | loop instr | HMMA | instr/HMMA | issue clk | HMMA clk (90: 0.925, 87: "
+        "0.25 per clk) | bound by | epilogue instr per round, G 32 / 64 / 128 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (-int(r.arch), r.dtype, r.wm)):
+        cyc = pipe_cycles(r.loop, r.arch, HMMA_PEAK_RATE if r.arch == "90" else MACHINES[r.arch]["rates"]["hmma"])
+        epi = " / ".join(str(r.epilogue[g]["issue"]) if g in r.epilogue else "-" for g in (32, 64, 128))
+        out.append(
+            f"| {r.dtype}, {32 * r.wm} x 128 tile ({r.warps} warps) | {r.arch} | {r.regs}{' SPILL' if r.spill else ''}"
+            f" | {r.ctas} | {r.loop['issue']} | {r.loop['hmma']} | {r.loop['issue'] / r.loop['hmma']:.2f} | "
+            f"{cyc['issue']:.1f} | {cyc['hmma']:.1f} | {max(cyc, key=cyc.get)} | {epi} |"
+        )
+    roof = [
+        "",
+        "| shape (fp16 / bf16, H100 model) | tile | CTAs (warps / SM) | FLOP | bytes | compute us | HBM us | bound | "
+        "% of 990 TF | % of HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    if any(r.arch == "90" for r in rows):
+        for name, (T, C, C_in, C_in2, G) in AQUA_SHAPES.items():
+            m = aqua_roofline(rows, T, C, C_in, C_in2, G)
+            roof.append(
+                f"| {name} | {32 * m['wm']} x 128 | {m['ctas']} ({m['warps_per_sm']}) | {m['flop'] / 1e9:.2f} G | "
+                f"{m['bytes'] / 1e6:.1f} M |"
+                f" {1e6 * m['t_compute']:.2f} | {1e6 * m['t_mem']:.2f} | {m['bound']} | {m['pct_peak']:.0f}% | "
+                f"{m['pct_hbm']:.0f}% |"
+            )
+    return "\n".join(out + roof) + "\n"
+
+
 def build(archs: list[str], sources: list[Path], out_dir: Path, jobs: int = 2) -> list[Kernel]:
     nvcc = find_nvcc()
     cuobjdump = find_cuobjdump(nvcc)
@@ -549,17 +714,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets-only", action="store_true", help="table of the gated rows only (bench/README.md)")
     a = ap.parse_args(argv)
     try:
-        kernels = build(a.archs, [ROOT / "csrc" / "cuda" / s for s in SOURCES], a.build_dir)
+        kernels = build(a.archs, [ROOT / "csrc" / "cuda" / s for s in (*SOURCES, AQUA_SOURCE)], a.build_dir)
     except FileNotFoundError as e:
         print(f"sass_budget: SKIP ({e})")
         return 0
     rows = analyse(kernels)
+    aqua = aqua_rows(kernels)
     out = table([r for r in rows if r.preset] if a.presets_only else rows)
+    out += "\naqua_reconstruct (a GEMM: instructions per HMMA, not per byte; static model, unverified on a GPU):\n\n"
+    out += aqua_table(aqua)
     print(out)
     if a.markdown:
         a.markdown.write_text(out)
     if a.json:
-        a.json.write_text(json.dumps([{**r.__dict__, "spec": r.spec.__dict__} for r in rows], indent=1))
+        a.json.write_text(
+            json.dumps([{**r.__dict__, "spec": r.spec.__dict__} for r in rows] + [r.__dict__ for r in aqua], indent=1)
+        )
     preset = [r for r in rows if r.preset]
     known = [r for r in preset if row_key(r) in KNOWN_OVER and r.m["weighted_per_byte"] > a.budget]
     over = [r for r in preset if r.m["weighted_per_byte"] > KNOWN_OVER.get(row_key(r), a.budget)]
@@ -584,7 +754,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in local:
         print(f"  LOCAL MEMORY IN HOT LOOP: {r.kernel} sm_{r.arch} {r.what}: {r.m['local_memory_in_loop']} LDL/STL")
-    fail = bool(over) or any(r.arch == "90" for r in local)
+    aqua_local = [r for r in aqua if r.local_memory_in_loop]
+    for r in aqua_local:
+        print(f"  LOCAL MEMORY IN HOT LOOP: {r.kernel} sm_{r.arch}: {r.local_memory_in_loop} LDL/STL")
+    fail = bool(over) or any(r.arch == "90" for r in local + aqua_local)
     return 0 if a.no_gate or not fail else 1
 
 

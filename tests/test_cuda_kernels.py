@@ -412,6 +412,155 @@ def test_lattice_empty_and_errors():
         torch.ops.kvkernels.gemv_lattice_k(q, codes, norms, grid, 64, torch.ones(64, device=DEV))
 
 
+# ---- aqua_reconstruct ----------------------------------------------------------------------------------------
+# csrc/cuda/aqua_reconstruct.cu: fp16 / bf16 operands on tensor cores (products exact in fp32, fp32 accumulation),
+# fp32 operands on a SIMT path (FFMA); the residual epilogue is the reference's fp32 arithmetic in its order. So the
+# result differs from kvkernels.reference.aqua_reconstruct by accumulation order only: |out - ref| <= rtol * mag +
+# atol with mag = |prev| @ |W|^T (+ |prev2| @ |W2|^T) + |bias| + |deq| (float64), rtol 2e-5 for fp32 and 1e-4 for
+# fp16 / bf16 (the tensor cores' fp32 accumulation truncates; an operand rounded to fp16 anywhere would show at
+# ~2^-11 of mag).
+AQUA_RTOL = {torch.float32: 2e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+
+
+def _aqua_args(T, C_in, C, G, d_n, dtype, C_in2=None, with_signs=False, seed=0):
+    """Random operands of aqua_reconstruct on the CPU: the residual quantized with the reference."""
+    from kvkernels.formats import lattice_grids
+
+    g = _gen(seed)
+    grid = lattice_grids.grid(*d_n)
+    signs = (torch.randint(0, 2, (G,), generator=g, dtype=torch.int8) * 2 - 1) if with_signs else None
+    codes, norms = reference.lattice_quantize(torch.randn(T, C, generator=g), grid, G, signs)
+    a = dict(
+        prev=torch.randn(T, C_in, generator=g).to(dtype),
+        weight=(torch.randn(C, C_in, generator=g) / max(C_in, 1) ** 0.5).to(dtype),
+        bias=torch.randn(C, generator=g), codes=codes, norms=norms, grid=grid, group_size=G, signs=signs,
+        prev2=None, weight2=None,
+    )  # fmt: skip
+    if C_in2 is not None:
+        a["prev2"] = torch.randn(T, C_in2, generator=g).to(dtype)
+        a["weight2"] = (torch.randn(C, C_in2, generator=g) / max(C_in2, 1) ** 0.5).to(dtype)
+    return a
+
+
+def _aqua_run(a, views=None):
+    """The CUDA op on a's tensors (views: None, "narrow" (rows of wider buffers) or "misalign" (and starting one
+    element in: the binding copies those operands into aligned rows)) against the reference; returns the output."""
+    want = reference.aqua_reconstruct(**a)
+    x, w = a["prev"].double(), a["weight"].double()
+    mag = x.abs() @ w.abs().T + a["bias"].double().abs()
+    if a["prev2"] is not None:
+        mag += a["prev2"].double().abs() @ a["weight2"].double().abs().T
+    deq = reference.lattice_dequantize(a["codes"], a["norms"], a["grid"], a["group_size"], a["signs"])
+    mag += deq.double().abs()
+    dev = {}
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and k != "grid" and views is not None:
+            (v,) = _to_cuda(v, narrow=views == "narrow", misalign=views == "misalign")
+        dev[k] = v.to(DEV) if isinstance(v, torch.Tensor) else v
+    out = torch.ops.kvkernels.aqua_reconstruct(*dev.values())
+    assert out.shape == want.shape and out.dtype == torch.float32 and out.device.type == "cuda"
+    rtol = AQUA_RTOL[a["prev"].dtype]
+    excess = ((out.cpu().double() - want.double()).abs() - (rtol * mag + 1e-5)).max().item() if out.numel() else 0
+    assert excess <= 0, f"max excess {excess:.3g}; max err {(out.cpu() - want).abs().max().item():.3g}"
+    return out
+
+
+def test_compiled_aqua_kernel_serves_cuda():
+    assert kvkernels.ops.CUDA_IMPL["aqua_reconstruct"] == "cuda"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("grid", LATTICE_GRIDS.values(), ids=LATTICE_GRIDS.keys())
+@pytest.mark.parametrize("two", [False, True], ids=["keys", "values"])
+def test_aqua_grids_dtypes(two, grid, dtype):
+    a = _aqua_args(37, 192, 192, 64, grid, dtype, C_in2=192 if two else None, with_signs=grid[1] != 64, seed=grid[1])
+    _aqua_run(a)
+
+
+# id: (T, C_in, C, G, grid, C_in2). SmolLM2 (C 192 = 3 x 64) and Llama-8B (C 1024 = 8 x 128) chunks of 128 tokens
+# (32-token tiles) and longer blocks (64-token tiles), recompute-length T, reduced-rank predictors (C_in 16 .. 128),
+# G 32 / 64 / 128, tails everywhere (T, C_in not a multiple of 32 or 8, C not a multiple of 128)
+AQUA_SHAPES = {
+    "smollm2-keys-T128": (128, 192, 192, 64, (2, 16), None),
+    "smollm2-values-T256": (256, 192, 192, 64, (2, 16), 192),
+    "smollm2-recompute-T32768": (32768, 192, 192, 64, (4, 256), None),
+    "llama-keys-T128-G128": (128, 1024, 1024, 128, (2, 256), None),
+    "llama-values-T4096-G64": (4096, 1024, 1024, 64, (2, 64), 1024),
+    "rank16-T333": (333, 16, 1024, 64, (4, 256), None),
+    "rank48-values-T37-G128": (37, 48, 256, 128, (2, 16), 48),
+    "rank128-T1-G32": (1, 128, 128, 32, (2, 64), None),
+    "C96-G32-Cin40-T5": (5, 40, 96, 32, (2, 64), None),
+    "Cin20-T65": (65, 20, 128, 64, (2, 256), None),
+    "Cin1-C64-T64": (64, 1, 64, 64, (2, 16), None),
+    "Cin2-72-T17": (17, 64, 256, 128, (4, 256), 72),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", AQUA_SHAPES.values(), ids=AQUA_SHAPES.keys())
+def test_aqua_shapes(shape, dtype):
+    T, C_in, C, G, grid, C_in2 = shape
+    _aqua_run(_aqua_args(T, C_in, C, G, grid, dtype, C_in2, with_signs=T % 2 == 1, seed=T + C_in))
+
+
+@pytest.mark.parametrize("views", ["narrow", "misalign"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_aqua_views(dtype, views):
+    # every 2-D operand a view of wider rows; "misalign": also starting one element in (a copy for fp16 / bf16)
+    _aqua_run(_aqua_args(70, 72, 192, 64, (2, 64), dtype, C_in2=40, with_signs=True, seed=9), views=views)
+
+
+def test_aqua_empty_and_no_input_channels():
+    assert _aqua_run(_aqua_args(0, 64, 128, 64, (2, 16), torch.float16)).shape == (0, 128)
+    a = _aqua_args(9, 0, 256, 64, (2, 16), torch.bfloat16, with_signs=True)
+    # bias + residual only: the epilogue is the reference's fp32 arithmetic in its order, so this is bit-exact
+    assert torch.equal(_aqua_run(a).cpu(), reference.aqua_reconstruct(**a))
+    _aqua_run(_aqua_args(9, 32, 128, 32, (2, 16), torch.float16, C_in2=0))  # an empty second input adds nothing
+
+
+def test_aqua_deterministic_and_nan_rows():
+    a = _aqua_args(300, 192, 192, 64, (2, 16), torch.float16, C_in2=192, seed=4)
+    a["prev"][7, 3] = float("nan")
+    a["norms"][11, 1] = float("inf")
+    dev = [v.to(DEV) if isinstance(v, torch.Tensor) else v for v in a.values()]
+    out = torch.ops.kvkernels.aqua_reconstruct(*dev)
+    again = torch.ops.kvkernels.aqua_reconstruct(*dev)
+    torch.testing.assert_close(again, out, rtol=0, atol=0, equal_nan=True)  # no atomics, a fixed order
+    assert out[7].isnan().all()  # a NaN in prev poisons its row only
+    assert not out[11, 64:128].isfinite().any() and out[11, :64].isfinite().all() and out[11, 128:].isfinite().all()
+    rows = torch.ones(300, dtype=torch.bool)
+    rows[[7, 11]] = False
+    assert out[rows].isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_aqua_rows_do_not_depend_on_T(dtype):
+    # a row's result is the same bits whatever T (and so the tile height the launcher picks: 64 tokens at T 2200 x
+    # C 1024, 32 at T 128): every output accumulates over the input channels in one fixed order. The AQUA cache's
+    # commit and its later chunk-by-chunk reconstruction rely on it.
+    a = _aqua_args(2200, 256, 1024, 128, (2, 16), dtype, C_in2=64, with_signs=True, seed=6)
+    dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    full = torch.ops.kvkernels.aqua_reconstruct(*dev.values())
+    part = {k: (v[1000:1128] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == 2200 else v)
+            for k, v in dev.items()}  # fmt: skip
+    assert torch.equal(torch.ops.kvkernels.aqua_reconstruct(*part.values()), full[1000:1128])
+
+
+def test_aqua_errors():
+    a = _aqua_args(5, 64, 256, 256, (2, 16), torch.float16)
+    dev = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    with pytest.raises(ValueError, match=r"group_size in \(32, 64, 128\)"):
+        torch.ops.kvkernels.aqua_reconstruct(*dev.values())
+    dev["group_size"] = 64
+    dev["norms"] = torch.zeros((5, 4), dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        torch.ops.kvkernels.aqua_reconstruct(*{**dev, "bias": a["bias"]}.values())
+    with pytest.raises(TypeError, match="weight must be float16"):
+        torch.ops.kvkernels.aqua_reconstruct(*{**dev, "weight": dev["weight"].float()}.values())
+    with pytest.raises(ValueError, match="both or neither"):
+        torch.ops.kvkernels.aqua_reconstruct(*{**dev, "prev2": dev["prev"]}.values())
+
+
 # ---- storage ops: bit-exact vs the C++ CPU ops ---------------------------------------------------------------
 
 
@@ -507,6 +656,8 @@ def _opcheck_cases():
     ls = ls.to(DEV)
     xk4 = torch.randn((1, 4, 3, 128), device=DEV)
     lp = torch.randn((1, 4, 40), device=DEV, dtype=torch.float16)
+    aq = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in _aqua_args(
+        20, 48, 192, 64, (2, 64), torch.bfloat16, C_in2=32, with_signs=True, seed=2).items()}  # fmt: skip
     return {
         "gemv_inner_q": (torch.ops.kvkernels.gemv_inner_q.default, (x, codes, scales, zeros, 2, 32, "hybrid", x_scale)),
         "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (xk, kc, ks, kz, 2, 32)),
@@ -523,6 +674,7 @@ def _opcheck_cases():
         "unpack_bits": (torch.ops.kvkernels.unpack_bits.default, (codes, 2)),
         "gemv_lattice_k": (torch.ops.kvkernels.gemv_lattice_k.default, (xk4, lc, ln, lg, 64, ls)),
         "gemv_lattice_v": (torch.ops.kvkernels.gemv_lattice_v.default, (lp, lc, ln, lg, 64, None)),
+        "aqua_reconstruct": (torch.ops.kvkernels.aqua_reconstruct.default, tuple(aq.values())),
     }
 
 
@@ -538,6 +690,7 @@ def _opcheck_cases():
         "unpack_bits",
         "gemv_lattice_k",
         "gemv_lattice_v",
+        "aqua_reconstruct",
     ],
 )
 def test_opcheck_cuda(name):

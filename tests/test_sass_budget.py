@@ -102,3 +102,35 @@ def test_spec_and_bytes_of_the_lattice_gemvs():
     assert (v.family, v.mode, v.bits, v.dim, v.norms_in_b, v.query_rows) == ("lattice_v", "EDEN4-256", 2, 64, True, 4)
     # one k-step: 16 tokens x (64 channels x 2 bits + the norm of their one group)
     assert sb.bytes_per_iteration(v) == 16 * (16 + 2)
+
+
+def test_aqua_spec_and_shared_memory():
+    assert sb.aqua_spec("void kvk::(anonymous namespace)::aqua_reconstruct_mma_kernel<true, 2>(...)") == ("bf16", 2)
+    assert sb.aqua_spec("void kvk::(anonymous namespace)::aqua_reconstruct_mma_kernel<false, 1>(...)") == ("fp16", 1)
+    assert sb.aqua_spec("kvk::(anonymous namespace)::aqua_reconstruct_f32_kernel(...)") is None
+    # 3 stages x (64 + 128) rows x 64 bytes (> the 64 x 136 fp32 epilogue tile), + grid table and scale
+    assert sb.aqua_smem_bytes(2) == 3 * 192 * 64 + (1024 + 128) * 4
+    assert sb.aqua_smem_bytes(1) == 3 * 160 * 64 + (1024 + 128) * 4
+
+
+def _aqua_row(wm: int, hmma: int = 32, issue: int = 64) -> "sb.AquaRow":
+    loop = {"issue": issue, "alu": 0, "fma": 0, "imad": 0, "mio": 0, "lsu": 0, "hmma": hmma, "xu": 0}
+    epi = {g: {**loop, "hmma": 0, "issue": 0} for g in (32, 64, 128)}  # a free epilogue
+    return sb.AquaRow("k", "90", "bf16", wm, 128, 0, 4, loop, epi, 0)
+
+
+def test_aqua_roofline_arithmetic():
+    rows = [_aqua_row(1), _aqua_row(2)]
+    m = sb.aqua_roofline(rows, 4096, 1024, 1024)
+    assert (m["wm"], m["ctas"], m["warps_per_sm"]) == (2, 64 * 8, 16)
+    assert m["flop"] == 2 * 4096 * 1024 * 1024
+    # prev + W (fp16), 2-bit codes, fp16 norms of G 64, the fp32 output, the bias
+    assert m["bytes"] == 2 * (4096 + 1024) * 1024 + 4096 * 1024 // 4 + 2 * 4096 * 16 + 4 * 4096 * 1024 + 4 * 1024
+    # HMMA-bound CTAs: 4 warps x 32 tiles x 32 HMMA at the peak-equivalent rate, 4 CTAs on the busiest SM = the peak
+    # FLOP rate over the CTAs' share (512 CTAs on 132 SMs: 3.88 per SM on average, 4 on the busiest)
+    assert m["bound"] == "SM pipes (hmma)"
+    assert abs(m["pct_peak"] - 100 * 512 / (132 * 4)) < 0.1
+    # 128 tokens: 32-token tiles (32 CTAs of 2 warps: half of each SM's 4 sub-partitions)
+    m = sb.aqua_roofline(rows, 128, 1024, 1024)
+    assert (m["wm"], m["ctas"], m["active_sms"], m["warps_per_sm"]) == (1, 32, 32, 2)
+    assert abs(m["pct_peak"] - 100 * 32 / 132 / 2) < 0.1

@@ -131,6 +131,44 @@ int64_t gemv_lattice_v_workspace_floats(const GemvLatticeParams& p);
 cudaError_t launch_gemv_lattice_v(const GemvLatticeParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------
+// aqua_reconstruct (AQUA-KV, docs/FORMATS.md "AQUA-KV"; kvkernels/reference/aqua.py), a GEMM with a lattice epilogue:
+//   out[t, c] = ((sum_i prev[t, i] W[c, i] + sum_j prev2[t, j] W2[c, j]) + bias[c]) + deq(codes, norms)[t, c]
+// deq = lattice_dequantize: per group of G channels, s * H_n (r16 * grid[c]). fp16 / bf16 operands run on tensor
+// cores, fp32 operands on a SIMT path (the test path). csrc/cuda/aqua_reconstruct.cu has the design.
+struct AquaReconstructParams {
+  // ---- pointers ----
+  const void* prev;       // [T, C_in] of dtype x_dtype
+  const void* weight;     // [C, C_in] of dtype x_dtype
+  const void* prev2;      // [T, C_in2] of dtype x_dtype, or nullptr (the value predictor's second input)
+  const void* weight2;    // [C, C_in2] of dtype x_dtype; nullptr exactly when prev2 is
+  const float* bias;      // [C], contiguous
+  const uint32_t* codes;  // [T, C * bits / 32] packed grid indices (docs/FORMATS.md, "Packing")
+  const uint16_t* norms;  // [T, C / G] fp16 bits of the group RMS r16
+  const float* grid;      // [n, d] fp32, contiguous
+  const int8_t* signs;    // [G] +-1, or nullptr (no signs)
+  float* out;             // [T, C] fp32, 8-byte aligned, even row stride
+  // ---- sizes ----
+  int64_t T, C;          // tokens, output channels (C a multiple of group_size)
+  int64_t C_in, C_in2;   // input channels of prev / prev2 (C_in2 ignored without prev2); 0 allowed
+  int group_size;        // G: 32, 64 or 128 (the CUDA kernel's; the format allows up to 1024)
+  LatticeGrid grid_kind; // which (d, n) grid `grid` is
+  XDtype x_dtype;        // dtype of prev / weight / prev2 / weight2
+  int num_sms;           // multiprocessor count of the device (tile-height choice)
+  // ---- row strides (elements) ----
+  int64_t s_prev, s_w, s_prev2, s_w2, s_codes, s_norms, s_out;
+};
+
+// Whether a [rows, cols] GEMM operand of elem_bytes-byte values can be read by the fp16 / bf16 path, which copies
+// rows with 16-byte cp.async: the start and (with more than one row) the row stride 16-byte aligned. cols need not
+// be a multiple of 8 (the last chunk of a row is partial). The binding copies an operand that is not.
+inline bool aqua_operand_aligned(const void* ptr, int64_t rows, int64_t cols, int64_t stride, int elem_bytes) {
+  if (rows == 0 || cols == 0) return true;
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (rows == 1 || (stride * elem_bytes) % 16 == 0);
+}
+
+cudaError_t launch_aqua_reconstruct(const AquaReconstructParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------
 // Storage ops. Their tensors are "rows" of a last dim, with up to kMaxRowDims leading dims of any stride
 // (the binding coalesces adjacent dims first and falls back to a contiguous copy beyond that).
 constexpr int kMaxRowDims = 4;

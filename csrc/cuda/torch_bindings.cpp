@@ -507,6 +507,132 @@ at::Tensor gemv_lattice_v(const at::Tensor& probs, const at::Tensor& codes, cons
   return y;
 }
 
+// ---- AQUA-KV reconstruction ----------------------------------------------------------------------------------
+
+// A 2-D GEMM operand of aqua_reconstruct (kvkernels/_validate.py _check_matrix): 2-D, float dtype (`dtype` if given),
+// unit last stride, `rows` rows if rows >= 0.
+void check_matrix(const char* op, const char* name, const at::Tensor& t, int64_t rows,
+                  std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK_VALUE(t.dim() == 2, "kvkernels.", op, ": ", name, " must be 2-D, got shape ", t.sizes());
+  if (dtype.has_value()) {
+    check_dtype(op, name, t, *dtype);
+  } else {
+    check_activation(op, name, t);
+  }
+  check_last_dim_contiguous(op, name, t);
+  TORCH_CHECK_VALUE(rows < 0 || t.size(0) == rows, "kvkernels.", op, ": ", name, " must have ", rows,
+                    " rows, got shape ", t.sizes());
+}
+
+// The operand as the fp16 / bf16 kernel reads it (16-byte cp.async of rows: start and row stride 16-byte aligned):
+// itself, or a copy into rows padded to a multiple of 8 elements. Only unusual views and an odd number of input
+// channels pay for the copy (the kernel never reads past C_in, so the padding stays uninitialized).
+at::Tensor aqua_operand(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat ||
+      kvk::aqua_operand_aligned(t.const_data_ptr(), t.size(0), t.size(1), t.stride(0), 2))
+    return t;
+  const int64_t cols = t.size(1);
+  return at::empty({t.size(0), (cols + 7) / 8 * 8}, t.options()).narrow(1, 0, cols).copy_(t);
+}
+
+// Mirrors kvkernels/_validate.py check_aqua_reconstruct (same order, same messages), then the CUDA kernel's own
+// limit: group_size 32, 64 or 128.
+at::Tensor aqua_reconstruct(const at::Tensor& prev, const at::Tensor& weight, const at::Tensor& bias,
+                            const at::Tensor& codes, const at::Tensor& norms, const at::Tensor& grid_in,
+                            int64_t group_size, const std::optional<at::Tensor>& signs,
+                            const std::optional<at::Tensor>& prev2, const std::optional<at::Tensor>& weight2) {
+  const char* op = "aqua_reconstruct";
+  check_defined(op, "prev", prev);
+  check_defined(op, "weight", weight);
+  check_defined(op, "bias", bias);
+  check_defined(op, "codes", codes);
+  check_defined(op, "norms", norms);
+  check_defined(op, "grid", grid_in);
+  check_dtype(op, "grid", grid_in, at::kFloat);
+  const int kind = grid_in.dim() == 2 ? kvk::lattice_grid_of(grid_in.size(1), grid_in.size(0)) : -1;
+  TORCH_CHECK_VALUE(kind >= 0, "kvkernels.", op, ": grid must be [n, d] with [n, d] one of [[16, 2], [64, 2], ",
+                    "[256, 2], [256, 4]], got shape ", grid_in.sizes());
+  check_last_dim_contiguous(op, "grid", grid_in);
+  const auto g = static_cast<kvk::LatticeGrid>(kind);
+  const int64_t bits = kvk::lattice_bits(g);
+  check_matrix(op, "prev", prev, -1, std::nullopt);
+  const int64_t T = prev.size(0);
+  check_matrix(op, "weight", weight, -1, prev.scalar_type());
+  const int64_t C = weight.size(0), C_in = weight.size(1);
+  TORCH_CHECK_VALUE(prev.size(1) == C_in, "kvkernels.", op, ": prev [T, C_in] and weight [C, C_in] disagree on C_in: ",
+                    prev.sizes(), " vs ", weight.sizes());
+  check_dtype(op, "bias", bias, at::kFloat);
+  check_shape(op, "bias", bias, {C});
+  TORCH_CHECK_VALUE(group_size >= 32 && group_size <= 1024 && (group_size & (group_size - 1)) == 0, "kvkernels.",
+                    op, ": group_size must be a power of two in [32, 1024], got ", group_size);
+  TORCH_CHECK_VALUE(C % group_size == 0, "kvkernels.", op, ": C (weight.shape[0])=", C,
+                    " must be a multiple of group_size=", group_size);
+  check_dtype(op, "codes", codes, at::kInt);
+  check_shape(op, "codes", codes, {T, C / kBlock * bits});
+  check_last_dim_contiguous(op, "codes", codes);
+  check_dtype(op, "norms", norms, at::kHalf);
+  check_shape(op, "norms", norms, {T, C / group_size});
+  check_last_dim_contiguous(op, "norms", norms);
+  if (signs.has_value()) {
+    check_dtype(op, "signs", *signs, at::kChar);
+    check_shape(op, "signs", *signs, {group_size});
+    check_last_dim_contiguous(op, "signs", *signs);
+  }
+  TORCH_CHECK_VALUE(prev2.has_value() == weight2.has_value(), "kvkernels.", op, ": prev2 and weight2 come together ",
+                    "(the second input of the value predictor): give both or neither");
+  if (prev2.has_value()) {
+    check_matrix(op, "prev2", *prev2, T, prev.scalar_type());
+    check_matrix(op, "weight2", *weight2, C, prev.scalar_type());
+    TORCH_CHECK_VALUE(prev2->size(1) == weight2->size(1), "kvkernels.", op, ": prev2 [T, C_in2] and weight2 [C, ",
+                      "C_in2] disagree: ", prev2->sizes(), " vs ", weight2->sizes());
+  }
+  // an empty second input adds nothing: run as keys (an empty tensor's data pointer may be null)
+  const bool two = prev2.has_value() && prev2->size(1) > 0;
+  const at::Device device = prev.device();
+  check_cuda(op, "prev", prev, device);
+  check_cuda(op, "weight", weight, device);
+  check_cuda(op, "bias", bias, device);
+  check_cuda(op, "codes", codes, device);
+  check_cuda(op, "norms", norms, device);
+  check_cuda(op, "grid", grid_in, device);
+  if (signs.has_value()) check_cuda(op, "signs", *signs, device);
+  if (prev2.has_value()) {
+    check_cuda(op, "prev2", *prev2, device);
+    check_cuda(op, "weight2", *weight2, device);
+  }
+  TORCH_CHECK_VALUE(group_size == 32 || group_size == 64 || group_size == 128, "kvkernels.", op,
+                    ": the CUDA kernel takes group_size in (32, 64, 128) (a group must fit its 128-channel tile), ",
+                    "got ", group_size, "; kvkernels.reference.aqua_reconstruct computes any group_size");
+
+  const c10::cuda::CUDAGuard device_guard(device);
+  at::Tensor out = at::empty({T, C}, prev.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  const at::Tensor a = aqua_operand(prev), w = aqua_operand(weight);
+  const at::Tensor a2 = two ? aqua_operand(*prev2) : at::Tensor(), w2 = two ? aqua_operand(*weight2) : at::Tensor();
+  const at::Tensor grid = grid_in.contiguous(), b = bias.contiguous();
+  kvk::AquaReconstructParams p{};
+  p.prev = a.const_data_ptr();
+  p.weight = w.const_data_ptr();
+  p.prev2 = two ? a2.const_data_ptr() : nullptr;
+  p.weight2 = two ? w2.const_data_ptr() : nullptr;
+  p.bias = b.const_data_ptr<float>();
+  p.codes = words(codes);
+  p.norms = half_bits(norms);
+  p.grid = grid.const_data_ptr<float>();
+  p.signs = signs.has_value() ? signs->const_data_ptr<int8_t>() : nullptr;
+  p.out = out.data_ptr<float>();
+  p.T = T, p.C = C, p.C_in = C_in, p.C_in2 = two ? a2.size(1) : 0;
+  p.group_size = static_cast<int>(group_size);
+  p.grid_kind = g;
+  p.x_dtype = activation_dtype(op, "prev", prev);
+  p.num_sms = num_sms();
+  p.s_prev = a.stride(0), p.s_w = w.stride(0);
+  p.s_prev2 = two ? a2.stride(0) : 0, p.s_w2 = two ? w2.stride(0) : 0;
+  p.s_codes = codes.stride(0), p.s_norms = norms.stride(0), p.s_out = out.stride(0);
+  check_launch(op, kvk::launch_aqua_reconstruct(p, current_stream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace kvk_cuda
 
@@ -520,4 +646,5 @@ TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("gemv_kivi", &kvk_cuda::gemv_kivi);
   m.impl("gemv_lattice_k", &kvk_cuda::gemv_lattice_k);
   m.impl("gemv_lattice_v", &kvk_cuda::gemv_lattice_v);
+  m.impl("aqua_reconstruct", &kvk_cuda::aqua_reconstruct);
 }

@@ -282,6 +282,7 @@ KVK_HD void decode_inner_q(uint32_t X, uint32_t Xh, const DecodeConsts& k, uint3
 }  // namespace kvk
 namespace kvk_emu {
 void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]);
+void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]);
 }
 namespace kvk {
 #endif
@@ -297,6 +298,24 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
         "f"(c[3]));
 #elif defined(KVK_EMU)
   kvk_emu::mma_m16n8k16_f16(d, a, b, c);
+#else
+  (void)d, (void)a, (void)b, (void)c;  // host pass of nvcc: never called
+#endif
+}
+
+// The same MMA on bf16 operands (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+): the fragment layout
+// above, each 32-bit register a pair of bf16 (low half = lower k). A product of two bf16 is exact in fp32.
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                                  const float (&c)[4]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+#elif defined(KVK_EMU)
+  kvk_emu::mma_m16n8k16_bf16(d, a, b, c);
 #else
   (void)d, (void)a, (void)b, (void)c;  // host pass of nvcc: never called
 #endif

@@ -10,10 +10,13 @@ mkdir -p "$out"
 cxx=(g++ -std=c++20 -O1 -g "-fsanitize=$san" -fno-sanitize-recover=undefined -include "$here/emu.h"
      -I"$root/csrc" -I"$cuda_inc" -w)
 pids=()
-for f in gemv_inner_q gemv_kivi gemv_lattice quantize; do
+kernels=(gemv_inner_q gemv_kivi gemv_lattice quantize aqua_reconstruct)
+objs=()
+for f in "${kernels[@]}"; do
   bash "$here/prep.sh" "$root/csrc/cuda/$f.cu" > "$out/$f.emu.cpp"
   "${cxx[@]}" -c "$out/$f.emu.cpp" -o "$out/$f.o" & pids+=($!)
+  objs+=("$out/$f.o")
 done
 "${cxx[@]}" -c "$here/driver.cpp" -o "$out/driver.o" & pids+=($!)
 for p in "${pids[@]}"; do wait "$p"; done
-g++ "-fsanitize=$san" "$out"/gemv_inner_q.o "$out"/gemv_kivi.o "$out"/gemv_lattice.o "$out"/quantize.o "$out"/driver.o -o "$out/drv" -lpthread
+g++ "-fsanitize=$san" "${objs[@]}" "$out"/driver.o -o "$out/drv" -lpthread

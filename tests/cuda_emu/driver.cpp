@@ -1,8 +1,9 @@
 // Runs the real CUDA launchers (csrc/cuda/*.cu, compiled for the host through emu.h) on random data and checks
 // every output against a double-precision dequantize-then-matmul reference written out here, independently of
 // the kernels. Modes: `iq` (gemv_inner_q), `kivi` (gemv_kivi), `q` (quantize_groups_into), `lattice`
-// (gemv_lattice_k / gemv_lattice_v against the double-precision spec formula), `all` (every one, the CI set),
-// `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count; minutes, manual).
+// (gemv_lattice_k / gemv_lattice_v against the double-precision spec formula), `aqua` (aqua_reconstruct), `all`
+// (every one, the CI set), `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count;
+// minutes, manual).
 // Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K`; exits 1 on a failure.
 #include "emu.h"
 #include "cuda/kernels.h"
@@ -333,6 +334,133 @@ void lattice_case(bool values, int64_t B, int64_t H_q, int64_t H_kv, int64_t T, 
          rpad, num_sms, wsf, bad ? "FAIL" : "ok", bad);
 }
 
+// ---- aqua_reconstruct ----------------------------------------------------------------------------------------------
+// out = ((prev @ W^T + prev2 @ W2^T) + bias) + deq against double precision: the operands enter exactly (fp16 / bf16 /
+// fp32 values), the residual is the definition s * H_n (r16 * grid[c]) per group of G, in double. Checked at 2^-16 of
+// the magnitude (sum |x w| + |bias| + the group's sum |r16 grid| / sqrt(G)) + 1e-6: fp32 accumulation order and fp32
+// butterflies only. Operand rows strided (xpad elements past C_in), codes / norms / out rows padded (the out padding
+// must stay untouched), random codes (every index is valid), norms (some zero), grid and signs. C_in2 < 0: no prev2.
+// `expect` != cudaSuccess: the launcher must refuse (with a message) and write nothing.
+void aqua_case(int64_t T, int64_t C_in, int64_t C_in2, int64_t C, int G, LatticeGrid gk, XDtype dt, bool with_signs,
+               int num_sms, int xpad = 8, cudaError_t expect = cudaSuccess) {
+  const int bits = lattice_bits(gk), d = lattice_d(gk), n = lattice_n(gk);
+  const bool two = C_in2 >= 0;
+  const int64_t W = C * bits / 32, NG = C / G;
+  const int64_t s_codes = W + 3, s_norms = NG + 1, s_out = C + 2;
+  // a [rows, cols] operand with row stride cols + xpad; values rounded to dt, their exact floats in `exact`
+  const auto operand = [&](int64_t rows, int64_t cols, std::vector<float>& exact) {
+    const int64_t stride = cols + xpad;
+    auto buf = std::make_unique<Buf<char>>(std::max<int64_t>(1, rows * stride) * xsize(dt));
+    exact.assign(rows * stride, 0.f);
+    for (int64_t i = 0; i < rows * stride; ++i) store_x(buf->p, dt, i, frand(), exact[i]);
+    return buf;
+  };
+  std::vector<float> xe, we, x2e, w2e;
+  auto prev = operand(T, C_in, xe), weight = operand(C, C_in, we);
+  std::unique_ptr<Buf<char>> prev2, weight2;
+  if (two) prev2 = operand(T, C_in2, x2e), weight2 = operand(C, C_in2, w2e);
+  Buf<float> bias(C);
+  for (int64_t c = 0; c < C; ++c) bias.p[c] = frand();
+  Buf<uint32_t> codes(std::max<int64_t>(1, T * s_codes));
+  for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
+  Buf<uint16_t> nr(std::max<int64_t>(1, T * s_norms));
+  for (size_t i = 0; i < nr.n; ++i) nr.p[i] = rng() % 11 == 0 ? 0 : hbits(std::fabs(frand()) * 2.f);
+  Buf<float> grid(n * d);
+  for (size_t i = 0; i < grid.n; ++i) grid.p[i] = 2.f * frand();
+  Buf<int8_t> signs(G);
+  for (int i = 0; i < G; ++i) signs.p[i] = (rng() & 1) ? 1 : -1;
+  Buf<float> out(std::max<int64_t>(1, T * s_out));
+  for (size_t i = 0; i < out.n; ++i) out.p[i] = NAN;
+
+  AquaReconstructParams p{};
+  p.prev = prev->p; p.weight = weight->p; p.prev2 = two ? prev2->p : nullptr; p.weight2 = two ? weight2->p : nullptr;
+  p.bias = bias.p; p.codes = codes.p; p.norms = nr.p; p.grid = grid.p; p.signs = with_signs ? signs.p : nullptr;
+  p.out = out.p;
+  p.T = T; p.C = C; p.C_in = C_in; p.C_in2 = two ? C_in2 : 0; p.group_size = G; p.grid_kind = gk; p.x_dtype = dt;
+  p.num_sms = num_sms;
+  p.s_prev = C_in + xpad; p.s_w = C_in + xpad; p.s_prev2 = C_in2 + xpad; p.s_w2 = C_in2 + xpad;
+  p.s_codes = s_codes; p.s_norms = s_norms; p.s_out = s_out;
+  const long ldsm_before = kvk_emu::ldsm_misaligned.load();
+  const cudaError_t e = launch_aqua_reconstruct(p, nullptr);
+  res.cases++;
+  const char* tag = two ? "values" : "keys";
+  if (expect != cudaSuccess) {
+    long touched = 0;
+    for (size_t i = 0; i < out.n; ++i) touched += !std::isnan(out.p[i]);
+    const bool good = e == expect && last_launch_error()[0] != '\0' && touched == 0;
+    if (!good) res.fails++;
+    printf("aqua_%s T%ld Cin%ld C%ld G%d xpad%d: refused with \"%s\" : %s\n", tag, T, C_in, C, G, xpad,
+           last_launch_error(), good ? "ok" : "FAIL");
+    return;
+  }
+  if (e != cudaSuccess) { printf("aqua launch error %d: %s\n", (int)e, last_launch_error()); res.fails++; return; }
+
+  int64_t bad = 0;
+  std::vector<double> y(G), ymag(G);
+  for (int64_t t = 0; t < T; ++t) {
+    const uint32_t* row = codes.p + t * s_codes;
+    for (int64_t g0 = 0; g0 < C; g0 += G) {
+      const double r16 = half_bits_to_float(nr.p[t * s_norms + g0 / G]);
+      double dmag = 0;
+      for (int i = 0; i < G; ++i) {
+        const int64_t c = g0 + i;
+        const uint32_t idx = lattice_index(row + (c / 32) * bits, (c % 32) / d, gk);
+        y[i] = r16 * grid.p[idx * d + c % d];
+        dmag += std::fabs(y[i]);
+      }
+      fwht_double(y.data(), G);
+      dmag /= std::sqrt((double)G);
+      for (int i = 0; i < G; ++i) {
+        const int64_t c = g0 + i;
+        double s = 0, m = 0;
+        for (int64_t k = 0; k < C_in; ++k) {
+          const double v = (double)xe[t * p.s_prev + k] * we[c * p.s_w + k];
+          s += v, m += std::fabs(v);
+        }
+        for (int64_t k = 0; two && k < C_in2; ++k) {
+          const double v = (double)x2e[t * p.s_prev2 + k] * w2e[c * p.s_w2 + k];
+          s += v, m += std::fabs(v);
+        }
+        const double want = s + bias.p[c] + y[i] * (with_signs ? signs.p[i] : 1);
+        const double bound = std::ldexp(m + std::fabs(bias.p[c]) + dmag, -16) + 1e-6;
+        const float got = out.p[t * s_out + c];
+        if (!(std::fabs(got - want) <= bound)) {
+          if (bad < 3) printf("  mismatch t%ld c%ld got %.9g want %.9g bound %.3g\n", t, c, got, want, bound);
+          bad++;
+        }
+      }
+    }
+    for (int64_t c = C; c < s_out; ++c) bad += !std::isnan(out.p[t * s_out + c]);  // the row padding: untouched
+  }
+  // No GEMM (C_in 0, no prev2): the residual must be bit-identical to the reference's fp32 order (r16 * grid, the
+  // butterflies, * fp32(1 / sqrt(G)), * s), and out = bias + deq in fp32 exactly.
+  if (C_in == 0 && !two) {
+    std::vector<float> yf(G);
+    const float inv = static_cast<float>(1.0 / std::sqrt(static_cast<double>(G)));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g0 = 0; g0 < C; g0 += G) {
+        const float r16 = half_bits_to_float(nr.p[t * s_norms + g0 / G]);
+        for (int i = 0; i < G; ++i) {
+          const int64_t c = g0 + i;
+          const uint32_t idx = lattice_index(codes.p + t * s_codes + (c / 32) * bits, (c % 32) / d, gk);
+          yf[i] = grid.p[idx * d + c % d] * r16;
+        }
+        fwht_host(yf.data(), G, inv);
+        for (int i = 0; i < G; ++i) {
+          const float want = bias.p[g0 + i] + yf[i] * (with_signs ? static_cast<float>(signs.p[i]) : 1.f);
+          const float got = out.p[t * s_out + g0 + i];
+          if (std::memcmp(&want, &got, 4) != 0 && bad++ < 3)
+            printf("  not bit-exact t%ld c%ld got %.9g want %.9g\n", t, g0 + i, got, want);
+        }
+      }
+  }
+  const long misaligned = kvk_emu::ldsm_misaligned.load() - ldsm_before;
+  if (bad || misaligned) res.fails++;
+  printf("aqua_%s T%ld Cin%ld+%ld C%ld G%d grid(%d,%d) dt%d signs%d sms%d xpad%d : %s (bad %ld, "
+         "ldmatrix misaligned %ld)\n", tag, T, C_in, two ? C_in2 : 0, C, G, d, n, (int)dt, (int)with_signs, num_sms,
+         xpad, bad || misaligned ? "FAIL" : "ok", bad, misaligned);
+}
+
 // The quarter arithmetic of the 6-bit layout and the byte / field addressing against lattice_index, exhaustively
 // over random blocks (the kernels' index -> table-address path must give index << S | lane offset).
 void lattice_index_cases() {
@@ -509,6 +637,30 @@ int main(int argc, char** argv) {
     // T > 16: launcher T chunks (20 = 16 + 4 rows per head); GQA 1
     lattice_case(false, 1, 2, 2, 20, true, 33, 128, 32, LG::kE2_256, XDtype::kF32, true, 0, 0, 0, 8);
     lattice_case(true, 1, 2, 2, 20, true, 33, 128, 128, LG::kE2_16, XDtype::kF32, false, 0, 0, 0, 8);
+  }
+  if (which == "aqua" || which == "all") {
+    using LG = LatticeGrid;
+    // every grid x dtype: T 37 (a partial token tile), C 192 (a full and a half-empty 128-channel tile), K tails
+    // (C_in 48 = 32 + 16), prev2 on every other case, signs on the others; fp16 / bf16 at 8 SMs (32-token tiles)
+    for (int gk = 0; gk < 4; ++gk)
+      aqua_case(37, 48, gk % 2 ? 16 : -1, 192, 64, (LG)gk, gk < 2 ? XDtype::kF16 : XDtype::kBF16, gk % 2 == 0, 8);
+    // T 1; C_in 16 (one k16 step, half a tile); G 32 (four groups per tile) and 128 (one); prev2 of 48
+    aqua_case(1, 16, -1, 128, 32, LG::kE2_64, XDtype::kBF16, true, 8);
+    aqua_case(1, 16, 48, 128, 128, LG::kE4_256, XDtype::kF16, false, 8);
+    // 64-token tiles (1 SM): T 70 = 64 + 6, three pipeline stages deep (C_in 96), G 128 with signs, C 256
+    aqua_case(70, 96, 32, 256, 128, LG::kE2_16, XDtype::kF16, true, 1);
+    aqua_case(70, 24, -1, 256, 32, LG::kE2_256, XDtype::kBF16, false, 1);  // C_in 24: a partial 16-byte chunk
+    // the steady-state loop (full tiles only) then the K tail: C_in 136 = 4 x 32 + 8
+    aqua_case(40, 136, -1, 128, 64, LG::kE2_64, XDtype::kBF16, true, 8);
+    // C_in 0: bias + residual only; C 96 (G 32: three of the tile's four groups)
+    aqua_case(5, 0, -1, 96, 32, LG::kE2_16, XDtype::kF16, true, 8);
+    // fp32 operands (the SIMT path): prev2, signs, T past one 64-token tile, C_in not a multiple of its 16
+    aqua_case(37, 48, 16, 192, 64, LG::kE2_64, XDtype::kF32, true, 8, 3);
+    aqua_case(66, 20, -1, 128, 128, LG::kE4_256, XDtype::kF32, false, 8, 1);
+    // refused: rows not 16-byte aligned (fp16 row stride 20 + 1), G 256; T 0 is a no-op
+    aqua_case(5, 20, -1, 128, 64, LG::kE2_16, XDtype::kF16, false, 8, 1, cudaErrorInvalidValue);
+    aqua_case(5, 16, -1, 256, 256, LG::kE2_16, XDtype::kF16, false, 8, 8, cudaErrorInvalidValue);
+    aqua_case(0, 16, -1, 128, 64, LG::kE2_16, XDtype::kBF16, false, 8);
   }
   if (which == "tests") {
     int sms = argc > 2 ? atoi(argv[2]) : 132;

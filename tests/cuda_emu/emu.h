@@ -29,6 +29,7 @@ struct Warp {
   float buf[32];
   uint32_t mma_a[32][4], mma_b[32][2];
   float mma_c[32][4];
+  const char* ldsm[32];  // ldmatrix row addresses
   std::atomic<int> exited{0};
 };
 struct Block {
@@ -39,7 +40,7 @@ struct Block {
 inline thread_local uint3 t_thread, t_block;
 inline thread_local dim3 t_bdim, t_gdim;
 inline thread_local Block* t_blk;
-inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0};
+inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0}, ldsm_misaligned{0};
 inline size_t cur_smem = 0;
 inline cudaError_t last_err = cudaSuccess;
 
@@ -93,14 +94,28 @@ inline float shfl_xor(unsigned mask, float v, int off) {
   w.bar->arrive_and_wait();
   return r;
 }
-// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (fragment layout in csrc/kvkernels/mma.cuh): every lane posts
-// its fragments, then computes its four outputs from all 32 lanes' A and B. Products of fp16 values are exact in
-// double and the 16-term sums nearly so; the result is rounded once to fp32 (the hardware's fp32 accumulation
-// differs in the last bits, which the tests' tolerances cover).
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 and its bf16 twin (fragment layout in csrc/kvkernels/mma.cuh):
+// every lane posts its fragments, then computes its four outputs from all 32 lanes' A and B. Products of fp16 (or
+// bf16) values are exact in double and the 16-term sums nearly so; the result is rounded once to fp32 (the
+// hardware's fp32 accumulation differs in the last bits, which the tests' tolerances cover).
 inline float half_to_float_bits(uint16_t h) {
   __half_raw r; r.x = h; return __half2float(__half(r));
 }
+inline float bf16_to_float_bits(uint16_t h) {  // bf16 is the top half of an fp32
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f; std::memcpy(&f, &u, 4); return f;
+}
+// The m16n8k16 on 16-bit operands whose values to_float(bits) gives (fp16 or bf16): products exact in double.
+template <float (*to_float)(uint16_t)>
+inline void mma_m16n8k16_16bit(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]);
 inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+  mma_m16n8k16_16bit<half_to_float_bits>(d, a, b, c);
+}
+inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+  mma_m16n8k16_16bit<bf16_to_float_bits>(d, a, b, c);
+}
+template <float (*to_float)(uint16_t)>
+inline void mma_m16n8k16_16bit(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
   const int tid = t_thread.x, lane = tid % 32;
   Warp& w = *t_blk->warps[tid / 32];
   if (w.exited.load()) shuffles_after_exit++;
@@ -110,11 +125,11 @@ inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32
   w.bar->arrive_and_wait();
   auto A = [&](int m, int k) {  // owner lane (m % 8) * 4 + (k % 8) / 2, register (m >= 8) + 2 (k >= 8), half k % 2
     const uint32_t r = w.mma_a[(m % 8) * 4 + (k % 8) / 2][(m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
-    return (double)half_to_float_bits((uint16_t)(r >> (16 * (k % 2))));
+    return (double)to_float((uint16_t)(r >> (16 * (k % 2))));
   };
   auto B = [&](int k, int n) {
     const uint32_t r = w.mma_b[n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0];
-    return (double)half_to_float_bits((uint16_t)(r >> (16 * (k % 2))));
+    return (double)to_float((uint16_t)(r >> (16 * (k % 2))));
   };
   const int g = lane / 4, t = lane % 4;
   float out[4];
@@ -126,6 +141,20 @@ inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32
   }
   w.bar->arrive_and_wait();
   for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane 8j + i gives the address of row i of matrix j (16-byte aligned,
+// counted in ldsm_misaligned otherwise); r[j] of lane L is that matrix's row L / 4, 32-bit word L % 4.
+inline void ldmatrix_x4(uint32_t (&r)[4], const char* addr) {
+  const int tid = t_thread.x, lane = tid % 32;
+  Warp& w = *t_blk->warps[tid / 32];
+  if (w.exited.load()) shuffles_after_exit++;
+  if (reinterpret_cast<uintptr_t>(addr) % 16) ldsm_misaligned++;
+  w.ldsm[lane] = addr;
+  w.bar->arrive_and_wait();
+  uint32_t out[4];
+  for (int j = 0; j < 4; ++j) std::memcpy(&out[j], w.ldsm[8 * j + lane / 4] + 4 * (lane % 4), 4);
+  w.bar->arrive_and_wait();
+  for (int j = 0; j < 4; ++j) r[j] = out[j];
 }
 inline unsigned atomic_max_u32(unsigned* p, unsigned v) {
   unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
