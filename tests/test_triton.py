@@ -58,6 +58,15 @@ INNER_Q_CASES = {
     "b4-hybrid-bf16-gqa8-M37-L160": (4, "hybrid", "bf16", 1, 1, 8, None, 37, 160, 32, False, False),
     "b1-asym-bf16-M16-L1024-G256-split": (1, "asym", "bf16", 1, 1, 1, None, 16, 1024, 256, False, False),
     "b2-hybrid-fp16-T3-L160-G160-strided": (2, "hybrid", "fp16", 1, 1, 1, 3, 37, 160, 160, False, True),
+    # awkward shapes of the tensor-core kernel: query rows Q = ratio * T not a power of two (padded to the MMA's
+    # N >= 8 and masked), L not a multiple of 128 (chunks of BK = 32 / 64 / 128, the largest dividing G), M not a
+    # multiple of the tile, fp16 / bf16 activations (one dot) vs fp32 or x_scale (three bf16 parts)
+    "b4-sym-fp16-gqa5-M70-L96": (4, "sym", "fp16", 1, 1, 5, None, 70, 96, 32, False, False),
+    "b2-asym-bf16-gqa3-T4-M19-L192-G64": (2, "asym", "bf16", 1, 2, 3, 4, 19, 192, 64, False, False),
+    "b1-sym-fp32-gqa6-T2-L384-G128-split": (1, "sym", "fp32", 1, 1, 6, 2, 9, 384, 128, False, False),
+    "b3-hybrid-fp16-gqa3-M65-L224-xscale": (3, "hybrid", "fp16", 1, 1, 3, None, 65, 224, 32, True, False),
+    "b4-asym-fp32-T5-M33-L640-G128-split": (4, "asym", "fp32", 1, 1, 1, 5, 33, 640, 128, False, False),
+    "b2-sym-bf16-gqa7-M17-L64-G64": (2, "sym", "bf16", 1, 1, 7, None, 17, 64, 64, False, False),
 }
 
 
@@ -101,9 +110,60 @@ def test_gemv_empty_sizes():
 
 def test_gemv_inner_q_split_path_is_taken():
     gq = importlib.import_module("kvkernels.triton_kernels.gemv_inner_q")
-    block_m, nb, _ = gq._tiles(1, 8, 25)
     common = importlib.import_module("kvkernels.triton_kernels._common")
-    assert common.num_splits(triton.cdiv(8, block_m), triton.cdiv(25, nb), torch.device("cpu")) > 1
+    # "b3-sym-fp16-M8-L800-G160-split": 8 rows, L = 800 in chunks of BK = 32 (G = 160)
+    assert gq.block_values(160) == 32
+    assert common.num_splits(triton.cdiv(8, gq._SPLIT_BLOCK_M), 800 // 32, torch.device("cpu")) > 1
+
+
+@pytest.mark.parametrize("mod, name", [("gemv_inner_q", "_gemv_inner_q_tuned"), ("gemv_kivi", "_gemv_kivi_tuned")])
+def test_gemv_autotune_configs(mod, name):
+    """Interpreted, the autotuner holds one config (tuning would only multiply test time); compiled, a short list
+    whose tiles keep every warp on its own MMA rows."""
+    m = importlib.import_module(f"kvkernels.triton_kernels.{mod}")
+    tuned = getattr(m, name)
+    assert len(tuned.configs) == (1 if DEVICE == "cpu" else len(m._CONFIGS))
+    assert tuned.configs[0] is m._CONFIGS[0] and 2 <= len(m._CONFIGS) <= 4
+    for c in m._CONFIGS:
+        if mod == "gemv_inner_q":
+            assert c.kwargs["BLOCK_M"] == 16 * c.num_warps
+        else:  # the split of R is planned in _SPLIT_BLOCK_R rows, whichever config runs
+            assert m._SPLIT_BLOCK_R % c.kwargs["BLOCK_R"] == 0
+
+
+def test_pair_decode_order():
+    """unpack_pairs puts values j and j + HALF of a word (b = 3: of a block) next to each other; pair_perm is that
+    order, a permutation of each word's (block's) values."""
+    for bits in (1, 2, 3, 4):
+        c, s, _ = reference.quantize_groups(torch.randn(3, 128, generator=gen(bits)), bits, 32, "sym")
+        out = torch.zeros(3, 128, dtype=torch.float32, device=DEVICE)
+        _decode_probe[(1,)](c.to(DEVICE), out, BITS=bits)
+        perm = torch.zeros(128, dtype=torch.int32, device=DEVICE)
+        _perm_kernel[(1,)](perm, BITS=bits)
+        perm = perm.cpu().long()
+        per = 32 if bits == 3 else 32 // bits  # values per word (b = 3: per block)
+        assert torch.equal(perm.view(-1, per).sort(-1).values, torch.arange(128).view(-1, per)), bits
+        # the codes themselves: sym dequantization with unit scales is u - 2^(b-1)
+        u = reference.dequantize_groups(c, torch.ones_like(s), None, bits, 32, "sym") + 2 ** (bits - 1)
+        assert torch.equal(out.cpu(), u[:, perm]), bits
+
+
+if tk is not None:
+    import triton.language as tl
+    from kvkernels.triton_kernels._common import EMULATE_DOT, pair_perm, unpack_pairs
+
+    @triton.jit
+    def _decode_probe(codes_ptr, out_ptr, BITS: tl.constexpr):
+        r = tl.arange(0, 4)
+        ok = r < 3
+        u = unpack_pairs(codes_ptr + r * (4 * BITS), 0, ok, 4 * BITS, 0, BITS, 128, 0, EMULATE_DOT)
+        k = tl.arange(0, 128)
+        tl.store(out_ptr + r[:, None] * 128 + k[None, :], u.to(tl.float32), mask=ok[:, None])
+
+    @triton.jit
+    def _perm_kernel(out_ptr, BITS: tl.constexpr):
+        k = tl.arange(0, 128)
+        tl.store(out_ptr + k, pair_perm(k, BITS))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -220,3 +220,203 @@ def collapse_rows(lead: tuple[int, ...], *tensors: torch.Tensor):
     sizes = tuple(size for size, _ in merged)
     strides = [tuple(merged[d][1][k] for d in range(3)) for k in range(len(tensors))]
     return sizes, strides
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor-core GEMV helpers (gemv_inner_q, gemv_kivi): codes as exact 16-bit integers, activations split into parts
+
+# Whether tl.dot on bf16 operands must be emulated: triton's interpreter multiplies bf16 operands as their raw bit
+# patterns (garbage), so under TRITON_INTERPRET=1 the 16-bit operands are widened to fp32 first (exact: they are
+# integers < 2^4 and 8-bit-mantissa parts, whose products fp32 holds exactly). Captured at import like INTERPRETED,
+# but never reassigned (tests/triton_aot/compile_check.py flips INTERPRETED to record launches on CPU tensors; the
+# kernels it compiles must be the GPU's).
+EMULATE_DOT = INTERPRETED
+
+
+@triton.jit
+def unpack_tile(row_ptrs, word0, mask, n_words, BITS: tl.constexpr, BK: tl.constexpr):
+    """Codes of BK consecutive values (a multiple of 32, starting at a block boundary) of each row -> int32 [R, BK].
+
+    row_ptrs: int32 pointers [R] to each row's codes; word0: the word of the first value (a scalar); mask [R]: the
+    rows to read; n_words: how many words from word0 on exist (the rest read as 0). Same packing as unpack_blocks,
+    but each word is loaded once and broadcast to its 32 / BITS values with constant shifts ([R, words, 32 / BITS]
+    reshaped to [R, BK]): no per-value word select.
+    """
+    if BITS == 3:
+        NB: tl.constexpr = BK // 32
+        nb = tl.arange(0, NB)
+        h = tl.arange(0, 2)
+        j = tl.arange(0, 16)
+        base = row_ptrs[:, None] + word0 + nb[None, :] * 3  # [R, NB] word 0 of each block
+        nb_ok = mask[:, None] & (nb * 3 < n_words)[None, :]
+        w01 = tl.load(base[:, :, None] + h[None, None, :], mask=nb_ok[:, :, None], other=0)  # [R, NB, 2]
+        w2 = tl.load(base + 2, mask=nb_ok, other=0)  # [R, NB]
+        lo = (w01[:, :, :, None] >> (j * 2)[None, None, None, :]) & 3  # [R, NB, 2, 16]
+        sh = (h[:, None] * 16 + j[None, :])[None, None, :, :]
+        hi = (w2[:, :, None, None] >> sh) & 1
+        u = tl.reshape(lo | (hi << 2), (row_ptrs.shape[0], BK))
+    else:
+        PER: tl.constexpr = 32 // BITS  # values per word
+        W: tl.constexpr = BK // PER
+        wi = tl.arange(0, W)
+        w = tl.load(row_ptrs[:, None] + word0 + wi[None, :], mask=mask[:, None] & (wi < n_words)[None, :], other=0)
+        u = (w[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        u = tl.reshape(u, (row_ptrs.shape[0], BK))
+    return u
+
+
+@triton.jit
+def split_dot(a, x, acc, XPARTS: tl.constexpr, DOT16: tl.constexpr, EMU: tl.constexpr):
+    """acc + a @ x in fp32 with exact products: a [M, K] exact 16-bit integers (fp16 or bf16), x fp32 [K, N].
+
+    XPARTS 1: x holds values of the 16-bit type DOT16 names (0 fp16, 1 bf16: the activations arrived in it), one
+    dot. XPARTS 3 (bf16): x = hi + mid + lo, each bf16 (8 + 8 + 8 significant bits hold fp32's 24, and bf16 has
+    fp32's exponent range, so the split is exact without any scaling), three dots into the same accumulator.
+    EMU: the operands widened to fp32 (the interpreter; a may be fp32 already, see codes_to_dot).
+    """
+    if XPARTS == 1:
+        if EMU:  # a may already be fp32 here (codes_to_dot): round x through the 16-bit type it arrived in
+            xa = x.to(tl.bfloat16 if DOT16 == 1 else tl.float16)
+            acc = tl.dot(a.to(tl.float32), xa.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, x.to(a.dtype), acc)
+    else:
+        tl.static_assert(XPARTS == 3, "XPARTS must be 1 or 3")
+        hi = x.to(tl.bfloat16)
+        r = x - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        if EMU:
+            af = a.to(tl.float32)
+            acc = tl.dot(af, hi.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(af, mid.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(af, lo.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, hi, acc)
+            acc = tl.dot(a, mid, acc)
+            acc = tl.dot(a, lo, acc)
+    return acc
+
+
+def dot_operands(x_dtype: torch.dtype, has_x_scale: bool = False) -> tuple[int, int]:
+    """(DOT16, XPARTS) of the tensor-core GEMVs: DOT16 0 = fp16, 1 = bf16 operands; XPARTS 1 when the activations
+    are exactly that 16-bit type, else 3 (fp32 activations, or scaled by an fp32 x_scale: three bf16 parts)."""
+    if x_dtype == torch.float16 and not has_x_scale:
+        return 0, 1
+    if x_dtype == torch.bfloat16 and not has_x_scale:
+        return 1, 1
+    return 1, 3
+
+
+def bucket(n: int, lo: int = 128, hi: int = 65536) -> int:
+    """Power-of-two bucket of a length for autotune keys: next_pow2(n) clamped to [lo, hi]."""
+    return min(hi, max(lo, next_pow2(n)))
+
+
+@triton.jit
+def codes_to_dot(u, OFFSET: tl.constexpr, DOT16: tl.constexpr, EMU: tl.constexpr):
+    """Codes u (int32 in [0, 2^b), b <= 4) -> u - OFFSET exactly, as fp16 (DOT16 0) or bf16 (1).
+
+    The code goes into the mantissa of a power of two (fp16 1024 = 0x6400, bf16 128 = 0x4300: their last mantissa
+    bit is 1, so 1024 + u / 128 + u are exact), and one subtraction removes it with the offset: the CUDA decoders'
+    trick (csrc/kvkernels/mma.cuh). EMU (the interpreter, whose bf16 arithmetic and int -> bf16 conversion are
+    broken): the same values in fp32, which split_dot's emulation multiplies in fp32 anyway.
+    """
+    if DOT16 == 0:
+        v = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        r = v - tl.full((), 1024.0 + OFFSET, tl.float16)
+    elif EMU:
+        r = (u - OFFSET).to(tl.float32)
+    else:
+        v = (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        r = v - tl.full((), 128.0 + OFFSET, tl.bfloat16)
+    return r
+
+
+@triton.jit
+def _pair_leaf(w, J: tl.constexpr, BITS: tl.constexpr, MAGIC2: tl.constexpr):
+    """Pair-word J of a word (see unpack_pairs): values J and J + HALF in the low / high 16 bits, over MAGIC2."""
+    M2: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+    return ((w >> (J * BITS)) & M2) | MAGIC2
+
+
+@triton.jit
+def _pair_leaf3(a, bc, w2, J: tl.constexpr, MAGIC2: tl.constexpr):
+    """3-bit pair-word J (values J and J + 16 of a block): 2-bit plane from a (J < 8) or bc, high bit from w2."""
+    if J < 8:
+        lo = (a >> (2 * J)) & 0x30003
+    else:
+        lo = (bc >> (2 * (J - 8))) & 0x30003
+    if J >= 2:
+        hi = (w2 >> (J - 2)) & 0x40004
+    else:
+        hi = (w2 << (2 - J)) & 0x40004
+    return lo | hi | MAGIC2
+
+
+@triton.jit
+def _pair_tree(a, bc, w2, J0: tl.constexpr, STRIDE: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+               MAGIC2: tl.constexpr):  # fmt: skip
+    """The N pair-words J0 + STRIDE * i (i < N) as [..., 2, ..., 2] (log2 N joins; bit 0 of i last): in-thread."""
+    if N == 1:
+        if BITS == 3:
+            r = _pair_leaf3(a, bc, w2, J0, MAGIC2)
+        else:
+            r = _pair_leaf(a, J0, BITS, MAGIC2)
+    else:
+        r = tl.join(
+            _pair_tree(a, bc, w2, J0, STRIDE * 2, N // 2, BITS, MAGIC2),
+            _pair_tree(a, bc, w2, J0 + STRIDE, STRIDE * 2, N // 2, BITS, MAGIC2),
+        )
+    return r
+
+
+@triton.jit
+def pair_perm(k, BITS: tl.constexpr):
+    """Value index (within the tile) of position k of unpack_pairs' output: positions 2j, 2j + 1 of a word's (b = 3:
+    a block's) stretch hold values j and j + HALF, HALF = half the values per word (16 for b = 3)."""
+    PER: tl.constexpr = 32 if BITS == 3 else 32 // BITS
+    return (k // PER) * PER + (k % 2) * (PER // 2) + (k % PER) // 2
+
+
+@triton.jit
+def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr,
+                 DOT16: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
+    """Codes of BK values of each row (as unpack_tile) -> exact (u - OFFSET) in fp16 / bf16 [R, BK], in the order
+    pair_perm gives (the reduction's order is free: the caller permutes the other operand to match).
+
+    Two values per 32-bit operation, as csrc/kvkernels/mma.cuh decodes them: a shift and a mask put values j and
+    j + HALF of a word at bits 0 and 16, OR-ed over the magic pair (fp16 1024 / bf16 128 in each half); the halves
+    become the 16-bit pair and one packed subtraction removes magic + OFFSET (codes_to_dot's arithmetic). The
+    values of a word are joined into the last dims (tl.join keeps them in one thread), so the tile leaves for the
+    MMA's shared-memory staging as wide vectors.
+    """
+    MAGIC2: tl.constexpr = 0x64006400 if DOT16 == 0 else 0x43004300
+    R: tl.constexpr = row_ptrs.shape[0]
+    if BITS == 3:
+        NB: tl.constexpr = BK // 32
+        nb = tl.arange(0, NB)
+        base = row_ptrs[:, None] + word0 + nb[None, :] * 3  # [R, NB]
+        ok = mask[:, None] & (nb * 3 < n_words)[None, :]
+        w0 = tl.load(base, mask=ok, other=0)
+        w1 = tl.load(base + 1, mask=ok, other=0)
+        w2 = tl.load(base + 2, mask=ok, other=0)
+        a = (w0 & 0xFFFF) | (w1 << 16)
+        bc = ((w0 >> 16) & 0xFFFF) | (w1 & -65536)
+        p = _pair_tree(a, bc, w2, 0, 1, 16, 3, MAGIC2)  # [R, NB, 2 x4]
+    else:
+        PER: tl.constexpr = 32 // BITS
+        W: tl.constexpr = BK // PER
+        wi = tl.arange(0, W)
+        w = tl.load(row_ptrs[:, None] + word0 + wi[None, :], mask=mask[:, None] & (wi < n_words)[None, :], other=0)
+        p = _pair_tree(w, w, w, 0, 1, PER // 2, BITS, MAGIC2)
+    lo = p.to(tl.int16)
+    hi = (p >> 16).to(tl.int16)
+    v = tl.reshape(tl.join(lo, hi), (R, BK))
+    if DOT16 == 0:
+        r = v.to(tl.float16, bitcast=True) - tl.full((), 1024.0 + OFFSET, tl.float16)
+    elif EMU:  # the interpreter's bf16 arithmetic is broken (codes_to_dot): the same exact values in fp32
+        r = (v.to(tl.int32) - 0x4300 - OFFSET).to(tl.float32)
+    else:
+        r = v.to(tl.bfloat16, bitcast=True) - tl.full((), 128.0 + OFFSET, tl.bfloat16)
+    return r

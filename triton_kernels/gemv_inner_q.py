@@ -1,17 +1,26 @@
-"""InnerQ fused dequant-GEMV in Triton: groups run along the reduction dim L.
+"""InnerQ fused dequant-GEMV in Triton, on tensor cores: groups run along the reduction dim L.
 
     y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * (s[m, g] * u[m, l] + zeff[m, g]),  h_kv = h // (H_q/H_kv)
-                  = sum_g  s[m, g] * dot(x_g, u_g)  +  zeff[m, g] * sum(x_g)
-
-so codes are never dequantized element by element: each 32-value block contributes one scaled partial dot plus
-zeff times the block's x-sum (blocks never straddle a group, since G is a multiple of 32), and the x-sums are
-computed once per query row and shared by all M rows of the tile.
+                  = sum_g  s[m, g] * dot(u_g, x_g)  +  zeff[m, g] * sum(x_g)
 
 Grid: (cdiv(M, BLOCK_M), B * H_kv, splits). A program owns BLOCK_M code rows of one KV head and serves every query
 row that reads them: the H_q/H_kv heads of its group times the T query rows, flattened to Q = ratio * T and padded
-to the power of two QP (masked). It walks its share of L in chunks of NB blocks (NB * 32 values). When B * H_kv *
-cdiv(M, BLOCK_M) is too few programs to fill the GPU (the value GEMV: M = head_dim, L = tokens), L is split across
-`splits` programs that write fp32 partials [splits, B, H_q, T, M], summed afterwards in a fixed order.
+to the power of two QP >= 8 (masked): the N side of the MMA. It walks its share of L in chunks of BK values (BK
+divides the group size G, so a chunk is inside one group), and per chunk:
+
+- unpacks the [BLOCK_M, BK] codes to exact 16-bit integers (signed u - 2^(b-1) for sym, so the zero term vanishes);
+- multiplies them with the [BK, QP] activations on tensor cores (tl.dot, fp32 accumulation): activations that
+  arrive as fp16 / bf16 are one dot in that type; fp32 activations (and any x_scale) are split exactly into three
+  bf16 parts, three dots (_common.split_dot). Products are exact, sums fp32: the reference's arithmetic up to the
+  summation order;
+- applies the group's fp16 scale once to the chunk's [BLOCK_M, QP] dot, plus zeff times the chunk's x-sums
+  (asym / hybrid): two FMAs per output per chunk.
+
+The reduction of the chunk stays inside the MMA (no cross-lane shuffles in the loop). Tiles: BLOCK_M, num_warps and
+num_stages are autotuned (_CONFIGS) per (bits, mode, L bucket, query rows); BK = the largest of 128 / 64 / 32 that
+divides G. When B * H_kv * cdiv(M, BLOCK_M) is too few programs to fill the GPU (the value GEMV: M = head_dim,
+L = tokens), L is split across `splits` programs that write fp32 partials [splits, B, H_q, T, M], summed afterwards
+in a fixed order (deterministic); the split does not depend on the tuned config.
 """
 
 import torch
@@ -21,18 +30,39 @@ import triton.language as tl
 from kvkernels import _validate
 
 from ._common import (
-    PRODUCT_BUDGET,
+    EMULATE_DOT,
+    INTERPRETED,
+    bucket,
     check_device,
+    codes_to_dot,
     device_ctx,
+    dot_operands,
     gqa_query_rows,
     group_affine,
     next_pow2,
     num_splits,
+    pair_perm,
     query_t_chunk,
-    unpack_blocks,
+    split_dot,
+    unpack_pairs,
+    unpack_tile,
 )
 
 _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
+
+# Autotune configs (BLOCK_M code rows per program, num_warps, num_stages). One warp's MMA tile is 16 rows, so
+# BLOCK_M = 16 * num_warps keeps every warp busy on its own rows; 64 rows x 4 warps is the default (the only config
+# under TRITON_INTERPRET=1, where tuning would only multiply test time), 128 x 8 halves the per-row overhead of the
+# activations' split at 8+ query rows, 32 x 2 gives short-M launches (the value GEMV at head_dim 64) more programs.
+_CONFIGS = [
+    triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 32}, num_warps=2, num_stages=4),
+]
+# Bit widths decoded by unpack_pairs; 1 and 3 bits compile to fewer instructions per byte with unpack_tile
+# (bench/triton_budget.py: the pair tree's joins cost shared-memory round trips at 16 pairs per word / block).
+_PAIR_BITS = (2, 4)
+_SPLIT_BLOCK_M = 64  # the tile the split of L is planned with (independent of the config the autotuner picks)
 
 
 @triton.jit
@@ -49,8 +79,9 @@ def _gemv_inner_q_kernel(
     M,
     T,
     Q,  # query rows per KV head: (H_q / H_kv) * T
-    n_blocks,  # L / 32
-    blocks_per_split,  # multiple of NB
+    L,
+    per_split,  # values of L per split, a multiple of BK
+    L_BUCKET,  # autotune key only: bucket(L)
     # strides (elements; the last dim of every tensor is contiguous)
     sx_b,
     sx_h,
@@ -74,9 +105,13 @@ def _gemv_inner_q_kernel(
     GROUP: tl.constexpr,
     MODE: tl.constexpr,  # 0 sym, 1 asym, 2 hybrid
     HAS_XS: tl.constexpr,
-    QP: tl.constexpr,  # next_pow2(Q)
+    QP: tl.constexpr,  # max(8, next_pow2(Q)): the MMA's N
+    BK: tl.constexpr,  # values of L per iteration, divides GROUP
+    DOT16: tl.constexpr,  # 0: fp16 operands, 1: bf16
+    XPARTS: tl.constexpr,  # 1: x is exactly the 16-bit type, 3: fp32 x as three bf16 parts
+    EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
+    PAIRS: tl.constexpr,  # decode two codes per 32-bit operation (unpack_pairs) instead of one (unpack_tile)
     BLOCK_M: tl.constexpr,
-    NB: tl.constexpr,  # 32-value blocks per loop iteration
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -87,50 +122,59 @@ def _gemv_inner_q_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     m64 = m.to(tl.int64)
-    c_row = b * sc_b + h_kv * sc_h + m64 * sc_m  # [BLOCK_M]
+    c_rows = codes_ptr + (b * sc_b + h_kv * sc_h + m64 * sc_m)  # [BLOCK_M] pointers
     s_row = b * ss_b + h_kv * ss_h + m64 * ss_m
     z_row = b * sz_b + h_kv * sz_h + m64 * sz_m
+    OFF: tl.constexpr = 1 << (BITS - 1)
 
-    i = tl.arange(0, 32)
-    acc = tl.zeros((QP, BLOCK_M), dtype=tl.float32)
-    blk_lo = pid_s * blocks_per_split
-    blk_hi = tl.minimum(blk_lo + blocks_per_split, n_blocks)
-    for blk0 in range(blk_lo, blk_hi, NB):
-        blk = blk0 + tl.arange(0, NB)
-        blk_ok = blk < blk_hi
-        l = blk[:, None] * 32 + i[None, :]  # [NB, 32]
-        xv = tl.load(
-            x_ptr + x_row[:, None, None] + l[None, :, :], mask=q_ok[:, None, None] & blk_ok[None, :, None], other=0.0
-        ).to(tl.float32)  # [QP, NB, 32]
+    if PAIRS:
+        kv = pair_perm(tl.arange(0, BK), BITS)  # the value each position of the unpacked tile holds
+    else:
+        kv = tl.arange(0, BK)
+    acc = tl.zeros((BLOCK_M, QP), dtype=tl.float32)
+    l_lo = pid_s * per_split
+    l_hi = tl.minimum(l_lo + per_split, L)
+    for l0 in range(l_lo, l_hi, BK):
+        l = l0 + kv
+        xv = tl.load(x_ptr + x_row[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [BK, QP]
         if HAS_XS:
-            xv *= tl.load(xs_ptr + h_kv * sxs_h + l, mask=blk_ok[:, None], other=0.0)[None, :, :]
-        xsum = tl.sum(xv, axis=2)  # [QP, NB], shared by all BLOCK_M rows
+            xv *= tl.load(xs_ptr + h_kv * sxs_h + l)[:, None]
 
-        w_mask = m_ok[:, None] & blk_ok[None, :]
-        u = unpack_blocks(codes_ptr + c_row[:, None] + blk[None, :] * BITS, w_mask, BITS).to(tl.float32)
-        g = (blk * 32) // GROUP  # [NB] group of each block
-        scale_bits = tl.load(scales_ptr + s_row[:, None] + g[None, :], mask=w_mask, other=0)  # [BLOCK_M, NB]
+        # [BLOCK_M, BK] exact 16-bit codes; sym: signed, sum_l (s u_l - s 2^(b-1)) x_l = s * dot(u - 2^(b-1), x)
+        c_off = OFF if MODE == 0 else 0
+        if PAIRS:
+            ua = unpack_pairs(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
+        else:
+            ua = codes_to_dot(
+                unpack_tile(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, BITS, BK), c_off, DOT16, EMU
+            )
+        d = split_dot(ua, xv, tl.zeros((BLOCK_M, QP), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, QP]
+
+        g = l0 // GROUP
+        scale_bits = tl.load(scales_ptr + s_row + g, mask=m_ok, other=0)  # [BLOCK_M]
         if MODE == 0:
             zero = scale_bits  # unused by sym
         else:
-            zero = tl.load(zeros_ptr + z_row[:, None] + g[None, :], mask=w_mask, other=0.0)
+            zero = tl.load(zeros_ptr + z_row + g, mask=m_ok, other=0.0)
         s, zeff = group_affine(scale_bits, zero, BITS, MODE)
-
-        dots = tl.sum(xv[:, None, :, :] * u[None, :, :, :], axis=3)  # [QP, BLOCK_M, NB]
-        acc += tl.sum(dots * s[None, :, :] + zeff[None, :, :] * xsum[:, None, :], axis=2)
+        if MODE == 0:
+            acc += s[:, None] * d
+        else:
+            xsum = tl.sum(xv, axis=0)  # [QP]
+            acc += s[:, None] * d + zeff[:, None] * xsum[None, :]
 
     y_row = pid_s.to(tl.int64) * sy_s + b * sy_b + h_q * sy_h + t * sy_t
-    tl.store(y_ptr + y_row[:, None] + m64[None, :], acc, mask=q_ok[:, None] & m_ok[None, :])
+    tl.store(y_ptr + y_row[None, :] + m64[:, None], acc, mask=m_ok[:, None] & q_ok[None, :])
 
 
-def _tiles(qp: int, m: int, n_blocks: int) -> tuple[int, int, int]:
-    """(BLOCK_M, NB, num_warps): 128-value chunks when the query rows allow, product tile <= PRODUCT_BUDGET."""
-    nb = min(4, next_pow2(n_blocks))
-    while nb > 1 and qp * nb * 32 * 4 > PRODUCT_BUDGET:  # keep room for at least 4 code rows
-        nb //= 2
-    block_m = min(64, next_pow2(m), max(1, PRODUCT_BUDGET // (qp * nb * 32)))
-    num_warps = 8 if qp * block_m * nb * 32 >= PRODUCT_BUDGET else 4
-    return block_m, nb, num_warps
+_gemv_inner_q_tuned = triton.autotune(
+    configs=_CONFIGS[:1] if INTERPRETED else _CONFIGS, key=["BITS", "MODE", "L_BUCKET", "QP"]
+)(_gemv_inner_q_kernel)
+
+
+def block_values(group_size: int) -> int:
+    """BK: the largest of 128, 64, 32 dividing the group size (a chunk of L never straddles a group)."""
+    return next(bk for bk in (128, 64, 32) if group_size % bk == 0)
 
 
 def gemv_inner_q(
@@ -161,26 +205,25 @@ def gemv_inner_q(
         return torch.cat(parts, dim=2)
 
     Q = (H_q // H_kv) * T
-    qp = next_pow2(Q)
-    n_blocks = L // 32
-    block_m, nb, num_warps = _tiles(qp, M, n_blocks)
-    base = triton.cdiv(M, block_m) * B * H_kv
-    n_iters = triton.cdiv(n_blocks, nb)
-    splits = num_splits(base, n_iters, x.device)
-    blocks_per_split = triton.cdiv(n_iters, splits) * nb
-    splits = triton.cdiv(n_blocks, blocks_per_split)
+    qp = max(8, next_pow2(Q))
+    bk = block_values(group_size)
+    n_chunks = L // bk
+    splits = num_splits(triton.cdiv(M, _SPLIT_BLOCK_M) * B * H_kv, n_chunks, x.device)
+    per_split = triton.cdiv(n_chunks, splits) * bk
+    splits = triton.cdiv(L, per_split)
+    dot16, xparts = dot_operands(x4.dtype, x_scale is not None)
 
     y = torch.empty((splits, B, H_q, T, M), dtype=torch.float32, device=x.device)
     z = zeros if zeros is not None else scales  # sym never reads it
     xs = x_scale if x_scale is not None else y  # placeholder pointer, never read
     with device_ctx(x):
-        _gemv_inner_q_kernel[(triton.cdiv(M, block_m), B * H_kv, splits)](
+        _gemv_inner_q_tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H_kv, splits)](
             x4, codes, scales.view(torch.int16), z, xs, y,
-            H_kv, M, T, Q, n_blocks, blocks_per_split,
+            H_kv, M, T, Q, L, per_split, bucket(L),
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *z.stride()[:3],
             xs.stride(0), *y.stride()[:4],
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], HAS_XS=x_scale is not None,
-            QP=qp, BLOCK_M=block_m, NB=nb, num_warps=num_warps,
+            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT, PAIRS=bits in _PAIR_BITS,
         )  # fmt: skip
     y = y[0] if splits == 1 else y.sum(0)  # fixed-order sum: deterministic
     return y if has_t else y.squeeze(2)

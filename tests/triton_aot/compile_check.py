@@ -63,23 +63,52 @@ PTR_TYPES = {
 
 def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
     import kvkernels.triton_kernels as tk
+
+    return record_calls(representative_calls(tk))
+
+
+def record_calls(calls) -> list[tuple[JITFunction, tuple, dict]]:
+    """Run each call (a wrapper call on CPU tensors) with every `kernel[grid](...)` replaced by a recorder.
+
+    An autotuned kernel (triton.autotune) records one launch per config of its list (each is a compiled variant
+    the autotuner may pick on a GPU): the config's meta-parameters and launch options join the call's arguments.
+    """
     from kvkernels.triton_kernels import _common
+    from triton.runtime.autotuner import Autotuner
 
     # let check_device accept CPU tensors: nothing is launched, only recorded (and no interpreter to probe)
+    saved = _common.INTERPRETED, _common.interpreter_problem
     _common.INTERPRETED = True
     _common.interpreter_problem = lambda: None
     launches = []
 
     def recorder(self, grid):
+        if isinstance(self, Autotuner):
+
+            def record_configs(*args, **kwargs):
+                configs = self.configs
+                if self.early_config_prune:  # the configs the autotuner would try for these arguments
+                    configs = self.early_config_prune(configs, dict(zip(self.arg_names, args, strict=False)), **kwargs)
+                for config in configs:
+                    options = {k: v for k, v in config.all_kwargs().items() if k in LAUNCH_OPTIONS}
+                    launches.append((self.fn, args, {**kwargs, **config.kwargs, **options}))
+
+            return record_configs
         return lambda *args, **kwargs: launches.append((self, args, kwargs))
 
-    original = JITFunction.__getitem__
-    JITFunction.__getitem__ = recorder
+    originals = {cls: cls.__dict__.get("__getitem__") for cls in (JITFunction, Autotuner)}
+    for cls in originals:
+        cls.__getitem__ = recorder
     try:
-        for call in representative_calls(tk):
+        for call in calls:
             call()
     finally:
-        JITFunction.__getitem__ = original
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__getitem__  # inherited from KernelInterface again
+            else:
+                cls.__getitem__ = original
+        _common.INTERPRETED, _common.interpreter_problem = saved
     return launches
 
 
@@ -333,13 +362,15 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the per-variant results here")
     ap.add_argument("--self-test", action="store_true", help="compile only planted faults; exit 0 iff all FAIL")
+    ap.add_argument("--only", help="compile only the launches whose label contains this string")
     args = ap.parse_args()
     targets = [int(t) for t in args.targets.split(",")]
 
     jobs = {}
     for launch in planted_launches() if args.self_test else record_launches():
         job = compile_job(*launch)
-        jobs.setdefault(job["key"], job)
+        if args.only is None or args.only in job["label"]:
+            jobs.setdefault(job["key"], job)
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(jobs)} distinct launches x targets {targets}")
     if not cuobjdump_path():
         print("note: cuobjdump not found, register/spill usage is not checked")
