@@ -70,11 +70,15 @@ def main(argv=None) -> int:
         variants.append((f"aqua_{dt}", "aqua", {"predictors": preds, "operands": dt}))
     for r in args.ranks:
         variants.append((f"aqua_r{r}", "aqua", {"predictors": predictors(rank=r)}))
-    variants += [] if args.only_aqua else [
-        ("aqua_nopred", "aqua", {"predictors": zero_predictors(preds)}),
-        ("lattice2", "lattice2", None),
-        ("lattice2_w4", "lattice2", {"w_sink": 4, "w_recent": 0}),
-    ]
+    variants += (
+        []
+        if args.only_aqua
+        else [
+            ("aqua_nopred", "aqua", {"predictors": zero_predictors(preds)}),
+            ("lattice2", "lattice2", None),
+            ("lattice2_w4", "lattice2", {"w_sink": 4, "w_recent": 0}),
+        ]
+    )
     t0 = time.perf_counter()
     totals: dict[str, quality.ContextScore] = {}
     for ids in contexts:

@@ -57,7 +57,6 @@ from ..attention import _grouped_matmul
 from .base import EffectiveBits, Format, QuantizedLayerCache, SameForBothTensors, check_window
 from .lattice import LATTICE_BITS, LatticeConfig, LatticeStore
 
-
 _OPERAND_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # AquaConfig.operands
 
 
