@@ -391,6 +391,17 @@ at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 // ---- lattice GEMVs ---------------------------------------------------------------------------------------------
 
+// The lattice grid kind of an fp32 [n, d] grid (the lattice GEMVs' and aqua_reconstruct's check).
+kvk::LatticeGrid checked_lattice_grid(const char* op, const at::Tensor& grid_in) {
+  check_defined(op, "grid", grid_in);
+  check_dtype(op, "grid", grid_in, at::kFloat);
+  const int kind = grid_in.dim() == 2 ? kvk::lattice_grid_of(grid_in.size(1), grid_in.size(0)) : -1;
+  TORCH_CHECK_VALUE(kind >= 0, "kvkernels.", op, ": grid must be [n, d] with [n, d] one of [[16, 2], [64, 2], ",
+                    "[256, 2], [256, 4]], got shape ", grid_in.sizes());
+  check_last_dim_contiguous(op, "grid", grid_in);
+  return static_cast<kvk::LatticeGrid>(kind);
+}
+
 // Shared checks of gemv_lattice_k / gemv_lattice_v (mirroring kvkernels/_validate.py check_gemv_lattice_k / _v):
 // x [B, H_q, (T,) L] with L = D (keys) or N (values); codes int32 [B, H_kv, N, D * bits / 32]; norms fp16
 // [B, H_kv, N, D / G]; grid fp32 [n, d] one of the four (bits from its shape); G a power of two in [32, 1024] dividing
@@ -403,14 +414,8 @@ at::Tensor lattice_params(const char* op, bool keys, const at::Tensor& x, const 
   check_defined(op, xname, x);
   check_defined(op, "codes", codes);
   check_defined(op, "norms", norms);
-  check_defined(op, "grid", grid_in);
-  check_dtype(op, "grid", grid_in, at::kFloat);
-  const int kind = grid_in.dim() == 2 ? kvk::lattice_grid_of(grid_in.size(1), grid_in.size(0)) : -1;
-  TORCH_CHECK_VALUE(kind >= 0, "kvkernels.", op, ": grid must be [n, d] with [n, d] one of [[16, 2], [64, 2], ",
-                    "[256, 2], [256, 4]], got shape ", grid_in.sizes());
-  check_last_dim_contiguous(op, "grid", grid_in);
   check_x_and_codes(op, x, codes);
-  const auto g = static_cast<kvk::LatticeGrid>(kind);
+  const auto g = checked_lattice_grid(op, grid_in);
   const int64_t bits = kvk::lattice_bits(g);
   const int64_t B = codes.size(0), H_kv = codes.size(1), N = codes.size(2), W = codes.size(3);
   int64_t D = 0;
@@ -547,13 +552,7 @@ at::Tensor aqua_reconstruct(const at::Tensor& prev, const at::Tensor& weight, co
   check_defined(op, "bias", bias);
   check_defined(op, "codes", codes);
   check_defined(op, "norms", norms);
-  check_defined(op, "grid", grid_in);
-  check_dtype(op, "grid", grid_in, at::kFloat);
-  const int kind = grid_in.dim() == 2 ? kvk::lattice_grid_of(grid_in.size(1), grid_in.size(0)) : -1;
-  TORCH_CHECK_VALUE(kind >= 0, "kvkernels.", op, ": grid must be [n, d] with [n, d] one of [[16, 2], [64, 2], ",
-                    "[256, 2], [256, 4]], got shape ", grid_in.sizes());
-  check_last_dim_contiguous(op, "grid", grid_in);
-  const auto g = static_cast<kvk::LatticeGrid>(kind);
+  const auto g = checked_lattice_grid(op, grid_in);
   const int64_t bits = kvk::lattice_bits(g);
   check_matrix(op, "prev", prev, -1, std::nullopt);
   const int64_t T = prev.size(0);
