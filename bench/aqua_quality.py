@@ -17,7 +17,6 @@ Scores, on the eval's first contexts (kvkernels.quality, seed 0), teacher-forced
 
 import argparse
 import dataclasses
-import math
 import time
 from pathlib import Path
 
@@ -70,37 +69,19 @@ def main(argv=None) -> int:
         variants.append((f"aqua_{dt}", "aqua", {"predictors": preds, "operands": dt}))
     for r in args.ranks:
         variants.append((f"aqua_r{r}", "aqua", {"predictors": predictors(rank=r)}))
-    variants += (
-        []
-        if args.only_aqua
-        else [
+    if not args.only_aqua:
+        variants += [
             ("aqua_nopred", "aqua", {"predictors": zero_predictors(preds)}),
             ("lattice2", "lattice2", None),
             ("lattice2_w4", "lattice2", {"w_sink": 4, "w_recent": 0}),
         ]
-    )
     t0 = time.perf_counter()
-    totals: dict[str, quality.ContextScore] = {}
-    for ids in contexts:
-        for label, s in quality.score_variants(model, ids, P, variants).items():
-            totals.setdefault(label, quality.ContextScore()).merge(s)
-
-    def ppl(s):
-        return math.exp(s.nll_sum / s.tokens)
-
-    ppl0 = ppl(totals[quality.BASELINE])
+    totals = quality.score_contexts(model, contexts, P, variants)
     print(
-        f"SmolLM2-135M, P {P}, T {T}, {len(contexts)} context(s) (seed 0); fp16 ppl {ppl0:.3f}; "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"SmolLM2-135M, P {P}, T {T}, {len(contexts)} context(s) (seed 0); fp16 ppl "
+        f"{totals[quality.BASELINE].ppl:.3f}; {time.perf_counter() - t0:.0f} s"
     )
-    print("| variant | ppl delta | KL (nats/token) | top-1 | stored bits |")
-    print("|---|---|---|---|---|")
-    for label, s in totals.items():
-        bits = sum(s.stored_bits) / len(s.stored_bits)
-        print(
-            f"| {label} | {100 * (ppl(s) / ppl0 - 1):+.2f} % | {s.kl_sum / s.tokens:.4f} | "
-            f"{s.agree / s.tokens:.3f} | {bits:.2f} |"
-        )
+    print(quality.variants_table(totals))
     return 0
 
 

@@ -135,32 +135,24 @@ def main(argv=None) -> int:
     }
     variants = [(lab, m, o) for lab, m, o in ABLATIONS if a.only is None or lab in a.only]
     if not a.skip_ablations:
-        merged: dict[str, quality.ContextScore] = {}
-        for i, ctx in enumerate(contexts):
-            scores = quality.score_variants(
-                model,
-                ctx,
-                a.prefill,
-                variants,
-                on_scored=lambda lab, i=i: print(f"  context {i + 1}: {lab}", file=sys.stderr),
-            )
-            for lab, s in scores.items():
-                merged.setdefault(lab, quality.ContextScore()).merge(s)
-        base = math.exp(merged[quality.BASELINE].nll_sum / merged[quality.BASELINE].tokens)
+        merged = quality.score_contexts(
+            model, contexts, a.prefill, variants, lambda i, lab: print(f"  context {i + 1}: {lab}", file=sys.stderr)
+        )
+        base = merged[quality.BASELINE].ppl
         print(f"\nablations: P={a.prefill}, T={a.decode_tokens}, {a.contexts} contexts, fp16 ppl {base:.3f}")
         print(f"{'variant':<34} {'stored bits':>11} {'ppl':>8} {'delta %':>8} {'KL':>7} {'top-1':>6}")
         for lab, method, over in variants:
             s = merged[lab]
-            ppl = math.exp(s.nll_sum / s.tokens)
+            ppl = s.ppl
             row = {
                 "preset": method,
                 "overrides": over,
                 "config": repr(method_config(method, **over)),
-                "stored_bits": sum(s.stored_bits) / len(s.stored_bits),
+                "stored_bits": s.mean_stored_bits,
                 "ppl": ppl,
                 "ppl_delta_rel": ppl / base - 1,
-                "kl": s.kl_sum / s.tokens,
-                "top1_agreement": s.agree / s.tokens,
+                "kl": s.kl,
+                "top1_agreement": s.top1,
                 "tokens": s.tokens,
             }
             result["ablations"][lab] = row

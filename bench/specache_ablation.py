@@ -37,29 +37,13 @@ def main(argv=None) -> int:
         (f"{name}_lagged", name, {"two_rows": False}),
         (f"{name}_top0", name, {"topk": 0}),
     ]
-    totals: dict[str, quality.ContextScore] = {}
     t0 = time.perf_counter()
-    for ids in contexts:
-        for label, score in quality.score_variants(model, ids, P, variants).items():
-            if label in totals:
-                totals[label].merge(score)
-            else:
-                totals[label] = score
-    base = totals[quality.BASELINE]
-    ppl0 = torch.tensor(base.nll_sum / base.tokens).exp().item()
+    totals = quality.score_contexts(model, contexts, P, variants)
     print(
-        f"SmolLM2-135M, P {P}, T {T}, {args.contexts} context(s) (seed 0); fp16 ppl {ppl0:.3f}; "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"SmolLM2-135M, P {P}, T {T}, {args.contexts} context(s) (seed 0); fp16 ppl "
+        f"{totals[quality.BASELINE].ppl:.3f}; {time.perf_counter() - t0:.0f} s"
     )
-    print("| variant | ppl | ppl delta | KL (nats/token) | top-1 | stored bits |")
-    print("|---|---|---|---|---|---|")
-    for label, s in totals.items():
-        ppl = torch.tensor(s.nll_sum / s.tokens).exp().item()
-        bits = sum(s.stored_bits) / len(s.stored_bits)
-        print(
-            f"| {label} | {ppl:.3f} | {100 * (ppl / ppl0 - 1):+.2f} % | {s.kl_sum / s.tokens:.4f} | "
-            f"{s.agree / s.tokens:.3f} | {bits:.2f} |"
-        )
+    print(quality.variants_table(totals))
     return 0
 
 

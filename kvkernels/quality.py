@@ -283,6 +283,22 @@ class ContextScore:
         for k, v in other.paths.items():
             self.paths[k] = self.paths.get(k, 0) + v
 
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_sum / self.tokens)
+
+    @property
+    def kl(self) -> float:  # nats per token against the baseline
+        return self.kl_sum / self.tokens
+
+    @property
+    def top1(self) -> float:  # top-1 agreement with the baseline's next-token predictions
+        return self.agree / self.tokens
+
+    @property
+    def mean_stored_bits(self) -> float:
+        return sum(self.stored_bits) / len(self.stored_bits)
+
 
 @torch.inference_mode()
 def prefill_kv(model, prompt: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -422,6 +438,36 @@ def score_variants(
     return scores
 
 
+def score_contexts(
+    model,
+    contexts: Sequence[torch.Tensor],
+    prefill_len: int,
+    variants: Sequence[tuple[str, str, dict | None]],
+    on_scored: Callable[[int, str], None] | None = None,
+) -> dict[str, ContextScore]:
+    """score_variants on each context, merged per label (the sums add up over contexts). on_scored(context index,
+    label) is called after each variant."""
+    merged: dict[str, ContextScore] = {}
+    for i, ids in enumerate(contexts):
+        done = None if on_scored is None else (lambda label, i=i: on_scored(i, label))
+        for label, score in score_variants(model, ids, prefill_len, variants, done).items():
+            merged.setdefault(label, ContextScore()).merge(score)
+    return merged
+
+
+def variants_table(scores: dict[str, ContextScore]) -> str:
+    """A markdown table of score_contexts' result: perplexity, its change against the baseline, KL, top-1
+    agreement, stored bits per value (the bench scripts' ablation tables)."""
+    ppl0 = scores[BASELINE].ppl
+    lines = ["| variant | ppl | ppl delta | KL (nats/token) | top-1 | stored bits |", "|---|---|---|---|---|---|"]
+    for label, s in scores.items():
+        lines.append(
+            f"| {label} | {s.ppl:.3f} | {100 * (s.ppl / ppl0 - 1):+.2f} % | {s.kl:.4f} | {s.top1:.3f} | "
+            f"{s.mean_stored_bits:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 @dataclass
 class MethodResult:
     """One row of the results: a method at one prefill length, over all contexts."""
@@ -474,11 +520,11 @@ def summarize(
     overrides=None,
     num_layers: int | None = None,
 ) -> list[MethodResult]:
-    base_ppl = math.exp(scores[BASELINE].nll_sum / scores[BASELINE].tokens)
+    base_ppl = scores[BASELINE].ppl
     rows = []
     for method, s in scores.items():
         fmt, bits_k, bits_v = _bits(method, overrides, num_layers)
-        ppl = math.exp(s.nll_sum / s.tokens)
+        ppl = s.ppl
         rows.append(
             MethodResult(
                 method=method,
@@ -490,12 +536,12 @@ def summarize(
                 bits_key=bits_k,
                 bits_value=bits_v,
                 bits_nominal=(bits_k + bits_v) / 2,
-                stored_bits=sum(s.stored_bits) / len(s.stored_bits),
+                stored_bits=s.mean_stored_bits,
                 ppl=ppl,
                 ppl_delta=ppl - base_ppl,
                 ppl_delta_rel=ppl / base_ppl - 1,
-                kl=s.kl_sum / s.tokens,
-                top1_agreement=s.agree / s.tokens,
+                kl=s.kl,
+                top1_agreement=s.top1,
                 decode_ms_per_token=1e3 * statistics.median(s.step_seconds),
                 paths=s.paths,
             )
@@ -521,23 +567,20 @@ def evaluate(
     if short:
         raise ValueError(f"contexts {short} are shorter than max(prefill) + decode_tokens + 1 = {need} tokens")
     methods = [m for m in methods if m != BASELINE]
+    variants = [(m, m, overrides) for m in methods]  # as score_context builds them
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     total = len(prefill_lens) * len(contexts) * (len(methods) + 1)
     rows: list[MethodResult] = []
     with tqdm(total=total, desc="eval", unit="method", disable=not progress) as bar:
         for prefill in prefill_lens:
-            merged: dict[str, ContextScore] = {}
-            for i, ctx in enumerate(contexts):
 
-                def on_scored(method, prefill=prefill, i=i):
-                    bar.set_postfix_str(f"P={prefill} context {i + 1}/{len(contexts)} {method} done")
-                    bar.update()
+            def on_scored(i, method, prefill=prefill):
+                bar.set_postfix_str(f"P={prefill} context {i + 1}/{len(contexts)} {method} done")
+                bar.update()
 
-                scores = score_context(
-                    model, ctx[: prefill + decode_tokens + 1], prefill, methods, overrides, on_scored
-                )
-                for method, s in scores.items():
-                    merged.setdefault(method, ContextScore()).merge(s)
+            merged = score_contexts(
+                model, [ctx[: prefill + decode_tokens + 1] for ctx in contexts], prefill, variants, on_scored
+            )
             rows += summarize(merged, prefill, decode_tokens, len(contexts), overrides, layers)
     return rows
 

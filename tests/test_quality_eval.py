@@ -11,6 +11,7 @@ innerq_asym4 stay within the perplexity bound below.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -120,6 +121,24 @@ def test_evaluate_rows(model, contexts):
     assert by[PREFILL, "innerq_asym4"].kl < by[PREFILL, "innerq_base"].kl  # 4-bit asym beats 3-bit sym
     bits = quality._bits("innerq_base", None)
     assert bits == ("innerq", 3.5, 3.5)
+
+
+def test_score_contexts_merges_per_label_and_tabulates(model, contexts):
+    variants = [("base", "innerq_base", None), ("wide", "innerq_base", NOTHING_QUANTIZED)]
+    seen = []
+    merged = quality.score_contexts(model, contexts, PREFILL, variants, lambda i, label: seen.append((i, label)))
+    assert seen == [(i, label) for i in range(2) for label in ("fp16", "base", "wide")]
+    one = [quality.score_variants(model, ids, PREFILL, variants) for ids in contexts]
+    for label in ("fp16", "base", "wide"):
+        s = merged[label]
+        assert s.tokens == 2 * DECODE and s.nll_sum == pytest.approx(one[0][label].nll_sum + one[1][label].nll_sum)
+        assert s.ppl == pytest.approx(math.exp(s.nll_sum / s.tokens)) and s.top1 == s.agree / s.tokens
+        assert s.mean_stored_bits == pytest.approx(sum(o[label].stored_bits[0] for o in one) / 2)
+    assert merged["wide"].kl < EXACT < merged["base"].kl
+    table = quality.variants_table(merged).splitlines()
+    assert table[0].startswith("| variant | ppl |") and len(table) == 2 + 3
+    assert table[2].startswith("| fp16 | ") and "| +0.00 % | 0.0000 | 1.000 | 16.00 |" in table[2]
+    assert table[3].startswith(f"| base | {merged['base'].ppl:.3f} |")
 
 
 def test_evaluate_rejects_short_contexts(model, contexts):
