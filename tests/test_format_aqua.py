@@ -353,6 +353,8 @@ def test_errors():
         AquaConfig(bits=1)
     with pytest.raises(ValueError, match="predictors must be"):
         AquaConfig(predictors=3)
+    with pytest.raises(ValueError, match="recompute must be a bool"):
+        AquaConfig(recompute=1)
 
 
 def test_predictor_file_roundtrip_through_the_config(tmp_path):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from triton_helpers import NVIDIA_MARK
 
 pytest.importorskip("triton", reason="triton is not installed")
 # the tool compiles: it must import triton with the interpreter off. Under TRITON_INTERPRET=1 (make test, CI) the
@@ -21,16 +22,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _has_nvidia_backend() -> bool:
-    try:
-        from triton.backends import backends
-
-        return "nvidia" in backends
-    except ImportError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="this triton build has no NVIDIA backend")
+pytestmark = NVIDIA_MARK
 
 
 def test_in_a_compiling_process():

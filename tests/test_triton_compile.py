@@ -12,22 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from triton_helpers import NVIDIA_MARK
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 SCRIPT = Path(__file__).resolve().parent / "triton_aot" / "compile_check.py"
 
 
-def _has_nvidia_backend() -> bool:
-    try:
-        from triton.backends import backends
-
-        return "nvidia" in backends
-    except ImportError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="this triton build has no NVIDIA backend")
+pytestmark = NVIDIA_MARK
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -32,6 +32,19 @@ else:
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def has_nvidia_backend() -> bool:
+    """Whether this triton build can compile for NVIDIA GPUs (the AOT compile check and the roofline need it)."""
+    try:
+        from triton.backends import backends
+
+        return "nvidia" in backends
+    except ImportError:
+        return False
+
+
+NVIDIA_MARK = pytest.mark.skipif(not has_nvidia_backend(), reason="this triton build has no NVIDIA backend")
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
