@@ -69,4 +69,19 @@ TORCH_LIBRARY(kvkernels, m) {
   m.def(
       "aqua_reconstruct(Tensor prev, Tensor weight, Tensor bias, Tensor codes, Tensor norms, Tensor grid, "
       "int group_size, Tensor? signs=None, Tensor? prev2=None, Tensor? weight2=None) -> Tensor");
+
+  // Decode attention over one layer's quantized cache in one op (kvkernels/reference/attention.py is the spec):
+  //   out = softmax(x K^T + mask) V    fp32 [B, H_q, T, D],   query head h reads KV head h / (H_q / H_kv)
+  // x fp32 [B, H_q, T, D] (queries times the softmax scale). Keys and values are each, in token order, a window-dtype
+  // sink [B, H_kv, S, D] | a quantized store | a window-dtype tail [B, H_kv, *, D]; a store in layout "rows" is
+  // codes int32 [B, H_kv, m, D*bits/32] + scales/zeros fp16 [B, H_kv, m, D/G], "cols" is codes [B, H_kv, D,
+  // m*bits/32] + scales/zeros [B, H_kv, D, m/G]; zeros None for sym. Stored keys are K / key_x_scale (fp32 [H_kv, D])
+  // when it is given. attn_mask: additive fp32 [B|1, H_q|1, T, N], None = causal among the last T tokens.
+  // split_tokens: tokens per split-KV chunk (a multiple of G; 0 = the kernel plans), never changes the result.
+  m.def(
+      "decode_attention_fused(Tensor x, Tensor sink_keys, Tensor sink_values, Tensor key_codes, Tensor key_scales, "
+      "Tensor? key_zeros, Tensor value_codes, Tensor value_scales, Tensor? value_zeros, Tensor key_tail, "
+      "Tensor value_tail, int key_bits, str key_mode, str key_layout, int value_bits, str value_mode, "
+      "str value_layout, int group_size, Tensor? key_x_scale=None, Tensor? attn_mask=None, int split_tokens=0) "
+      "-> Tensor");
 }

@@ -454,3 +454,140 @@ def check_aqua_reconstruct(
         op, prev=prev, weight=weight, bias=bias, codes=codes, norms=norms, grid=grid, signs=signs, prev2=prev2,
         weight2=weight2,
     )  # fmt: skip
+
+
+# ---- fused decode attention: kvkernels/reference/attention.py ------------------------------------------------------
+
+LAYOUTS = ("rows", "cols")
+MAX_ATTENTION_GROUP = 1 << 20
+
+
+def _check_window(op: str, name: str, t, batch: int, heads: int, head_dim: int, dtype) -> int:
+    # a window-dtype part [B, H_kv, n, D] of the cache (sink or tail); returns n
+    if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (batch, heads, head_dim):
+        _fail(op, f"{name} must be [B={batch}, H_kv={heads}, n, D={head_dim}], got shape {list(t.shape)}")
+    check_dtype(op, name, t, dtype)
+    check_last_dim_contiguous(op, name, t)
+    return t.shape[2]
+
+
+def _check_store(op: str, tensor: str, codes, scales, zeros, bits, mode, layout, group_size, batch, heads, D) -> int:
+    """One quantized store of the fused attention op (layout "rows" or "cols"); returns its token count."""
+    pre = f"{tensor}_"
+    if bits not in SUPPORTED_BITS:
+        _fail(op, f"{pre}bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if mode not in MODES:
+        _fail(op, f"{pre}mode must be one of {MODES}, got {mode!r}")
+    if layout not in LAYOUTS:
+        _fail(op, f"{pre}layout must be one of {LAYOUTS}, got {layout!r}")
+    check_dtype(op, f"{pre}codes", codes, torch.int32)
+    check_last_dim_contiguous(op, f"{pre}codes", codes)
+    if codes.dim() != 4 or tuple(codes.shape[:2]) != (batch, heads):
+        _fail(op, f"{pre}codes must be 4-D [B={batch}, H_kv={heads}, rows, words], got shape {list(codes.shape)}")
+    if layout == "rows":
+        m, words = codes.shape[2], D // BLOCK * bits
+        if codes.shape[3] != words:
+            _fail(op, f"{pre}codes (layout rows) must hold D*bits/32 = {words} words per token, got {codes.shape[3]}")
+        groups = (batch, heads, m, D // group_size)
+    else:
+        if codes.shape[2] != D:
+            _fail(op, f"{pre}codes (layout cols) must be [B, H_kv, D={D}, m*bits/32], got shape {list(codes.shape)}")
+        if codes.shape[3] % bits:
+            _fail(op, f"{pre}codes last dim {codes.shape[3]} must be a multiple of bits={bits}")
+        m = codes.shape[3] // bits * BLOCK
+        if m % group_size:
+            _fail(op, f"{pre}store (layout cols) holds {m} tokens, not a multiple of group_size={group_size}")
+        groups = (batch, heads, D, m // group_size)
+    for name, t in ((f"{pre}scales", scales), (f"{pre}zeros", zeros)):
+        if t is None:
+            if name.endswith("zeros") and mode != "sym":
+                _fail(op, f"{name} is required for asym and hybrid modes")
+            continue
+        check_dtype(op, name, t, torch.float16)
+        check_shape(op, name, t, groups)
+        check_last_dim_contiguous(op, name, t)
+    return m
+
+
+def check_decode_attention_fused(
+    x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+    key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
+    key_x_scale=None, attn_mask=None, split_tokens=0,
+) -> None:  # fmt: skip
+    op = "decode_attention_fused"
+    check_tensors(
+        op, x=x, sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes, key_scales=key_scales,
+        value_codes=value_codes, value_scales=value_scales, key_tail=key_tail, value_tail=value_tail,
+    )  # fmt: skip
+    if x.dim() != 4:
+        _fail(op, f"x must be [B, H_q, T, D], got shape {list(x.shape)}")
+    check_dtype(op, "x", x, torch.float32)
+    check_last_dim_contiguous(op, "x", x)
+    B, H_q, T, D = x.shape
+    if sink_keys.dim() != 4:
+        _fail(op, f"sink_keys must be [B, H_kv, S, D], got shape {list(sink_keys.shape)}")
+    H_kv = sink_keys.shape[1]
+    if H_kv == 0 or H_q % H_kv:
+        _fail(op, f"query heads H_q={H_q} must be a multiple of KV heads H_kv={H_kv}")
+    check_dtype(op, "sink_keys", sink_keys, FLOAT_ACTIVATIONS)
+    dt = sink_keys.dtype
+    S = _check_window(op, "sink_keys", sink_keys, B, H_kv, D, dt)
+    if _check_window(op, "sink_values", sink_values, B, H_kv, D, dt) != S:
+        _fail(op, f"sink_values must match sink_keys {list(sink_keys.shape)}, got {list(sink_values.shape)}")
+    n_kt = _check_window(op, "key_tail", key_tail, B, H_kv, D, dt)
+    n_vt = _check_window(op, "value_tail", value_tail, B, H_kv, D, dt)
+    if group_size <= 0 or group_size % BLOCK or group_size > MAX_ATTENTION_GROUP:
+        # the bound: nothing else limits G when a token-grouped store is empty, and the kernels hold G in an int
+        _fail(op, f"group_size must be a positive multiple of {BLOCK} up to {MAX_ATTENTION_GROUP}, got {group_size}")
+    for tensor, layout in (("key", key_layout), ("value", value_layout)):
+        if layout == "rows" and D % group_size:
+            _fail(op, f"head_dim D={D} must be a multiple of group_size={group_size} ({tensor} store in layout rows)")
+    mk = _check_store(
+        op, "key", key_codes, key_scales, key_zeros, key_bits, key_mode, key_layout, group_size, B, H_kv, D
+    )
+    mv = _check_store(
+        op,
+        "value",
+        value_codes,
+        value_scales,
+        value_zeros,
+        value_bits,
+        value_mode,
+        value_layout,
+        group_size,
+        B,
+        H_kv,
+        D,
+    )
+    N = S + mk + n_kt
+    if S + mv + n_vt != N:
+        _fail(
+            op, f"keys hold {N} tokens (sink {S} + store {mk} + tail {n_kt}) but values hold {S + mv + n_vt} "
+            f"(sink {S} + store {mv} + tail {n_vt}); both must cover the same tokens",
+        )  # fmt: skip
+    if T < 1 or T > N:
+        _fail(op, f"x has T={T} query rows; need 1 <= T <= N={N} (the rows are the last T cached tokens)")
+    if key_x_scale is not None:
+        check_dtype(op, "key_x_scale", key_x_scale, torch.float32)
+        check_shape(op, "key_x_scale", key_x_scale, (H_kv, D))
+        check_last_dim_contiguous(op, "key_x_scale", key_x_scale)
+    if attn_mask is not None:
+        check_dtype(op, "attn_mask", attn_mask, torch.float32)
+        if (
+            attn_mask.dim() != 4
+            or tuple(attn_mask.shape[2:]) != (T, N)
+            or attn_mask.shape[0] not in (1, B)
+            or attn_mask.shape[1] not in (1, H_q)
+        ):
+            _fail(op, f"attn_mask must be [B or 1, H_q or 1, T={T}, N={N}], got shape {list(attn_mask.shape)}")
+        check_last_dim_contiguous(op, "attn_mask", attn_mask)
+    if not isinstance(split_tokens, int) or split_tokens < 0 or split_tokens % group_size:
+        _fail(
+            op,
+            f"split_tokens must be 0 (planned) or a positive multiple of group_size={group_size}, got {split_tokens}",
+        )
+    check_same_device(
+        op, x=x, sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes, key_scales=key_scales,
+        key_zeros=key_zeros, value_codes=value_codes, value_scales=value_scales, value_zeros=value_zeros,
+        key_tail=key_tail, value_tail=value_tail, key_x_scale=key_x_scale, attn_mask=attn_mask,
+    )  # fmt: skip

@@ -30,6 +30,7 @@ OPS = (
     "gemv_lattice_k",
     "gemv_lattice_v",
     "aqua_reconstruct",
+    "decode_attention_fused",
 )
 
 
@@ -49,6 +50,7 @@ _CHECKS = {
     "gemv_lattice_k": V.check_gemv_lattice_k,
     "gemv_lattice_v": V.check_gemv_lattice_v,
     "aqua_reconstruct": V.check_aqua_reconstruct,
+    "decode_attention_fused": V.check_decode_attention_fused,
 }
 
 
@@ -170,6 +172,10 @@ def _register_fakes() -> None:
     @fake("aqua_reconstruct")
     def _(prev, weight, bias, codes, norms, grid, group_size, signs=None, prev2=None, weight2=None):
         return prev.new_empty((prev.shape[0], weight.shape[0]), dtype=torch.float32)
+
+    @fake("decode_attention_fused")
+    def _(x, *args, **kwargs):
+        return x.new_empty(x.shape, dtype=torch.float32)
 
 
 if HAS_C:
@@ -409,3 +415,46 @@ def aqua_reconstruct(
     return torch.ops.kvkernels.aqua_reconstruct.default(
         prev, weight, bias, codes, norms, grid, group_size, signs, prev2, weight2
     )
+
+
+def decode_attention_fused(
+    x: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scales: torch.Tensor,
+    key_zeros: torch.Tensor | None,
+    value_codes: torch.Tensor,
+    value_scales: torch.Tensor,
+    value_zeros: torch.Tensor | None,
+    key_tail: torch.Tensor,
+    value_tail: torch.Tensor,
+    key_bits: int,
+    key_mode: str,
+    key_layout: str,
+    value_bits: int,
+    value_mode: str,
+    value_layout: str,
+    group_size: int,
+    key_x_scale: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    split_tokens: int = 0,
+) -> torch.Tensor:
+    """softmax(x K^T + mask) V over one layer's sink | quantized store | tail, in one op: fp32 [B, H_q, T, D].
+
+    x fp32 [B, H_q, T, D] is q times the softmax scale; sink_* [B, H_kv, S, D] and *_tail [B, H_kv, n, D] share one
+    float dtype; each store is codes / scales / zeros in layout "rows" (token-major, groups along channels) or
+    "cols" (channel-major, groups along tokens), with stored keys = K / key_x_scale when key_x_scale [H_kv, D] is
+    given. attn_mask: additive fp32 [B|1, H_q|1, T, N], None = causal among the last T tokens. split_tokens: tokens
+    per split-KV chunk (multiple of G; 0 = planned); it changes rounding order only. Spec and shapes:
+    kvkernels/reference/attention.py. kvkernels.decode_attention calls this with a cache's operands
+    (QuantizedLayerCache.fused_attention_operands).
+    """
+    require_c("decode_attention_fused")
+    args = (
+        x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+        key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
+        key_x_scale, attn_mask, split_tokens,
+    )  # fmt: skip
+    V.check_decode_attention_fused(*args)
+    return torch.ops.kvkernels.decode_attention_fused.default(*args)

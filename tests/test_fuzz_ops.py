@@ -2,12 +2,14 @@
 (C++ or the reference) and on the fakes (all tensors on device='meta').
 
 Each case is a consistent call (shapes, dtypes, bits, group size, mode, eta; for the lattice ops a grid, signs and
-inverse) plus zero to two mutations: a wrong dtype, a wrong or empty shape, a non-unit last stride, a tensor on
+inverse; for decode_attention_fused a sink, two stores in layout rows or cols, tails, a key scale, an additive mask
+and a split) plus zero to two mutations: a wrong dtype, a wrong or empty shape, a non-unit last stride, a tensor on
 'meta' among CPU tensors, None for a tensor, bits 0/5/9/-1, group sizes 0/negative/non-multiples (lattice: not a
-power of two in [32, 1024]), bad modes, eta NaN/negative/>= 0.5/with sym, another grid than the codes were sized
-for, Python values of the wrong type. Layouts include padded rows, storage offsets, stride-0 (broadcast) leading dims
-and column-major tensors; values include NaN, Inf, huge, subnormal, constant and arbitrary fp16 bit patterns. Every
-call must end in one of two ways:
+power of two in [32, 1024]), bad modes and layouts, eta NaN/negative/>= 0.5/with sym, split_tokens not a multiple of
+the group, another grid than the codes were sized for, Python values of the wrong type. Layouts include padded rows,
+storage offsets, stride-0 (broadcast) leading dims and column-major tensors; values include NaN, Inf, huge,
+subnormal, constant and arbitrary fp16 bit patterns (additive masks: -inf, finfo.min, biases). Every call must end in
+one of two ways:
   * an exception of type ValueError/TypeError/RuntimeError/IndexError whose message names the op, of the same type
     on CPU and on meta (the C++ checks, csrc/op_checks.h, and the Python ones, kvkernels/_validate.py, agree);
   * a result equal to kvkernels.reference (bit-exact for packing and quantization, within fp32 rounding bounds for
@@ -15,7 +17,8 @@ call must end in one of two ways:
     shapes and dtypes the fake returns for the same call; quantize_groups_into writes nothing outside its views.
     The lattice ops' CPU kernel is the reference itself, so all five are held to a float64 evaluation of
     docs/FORMATS.md ("Lattice") with an explicit Hadamard matrix: lattice_quantize's norms to fp16 rounding, its
-    codes to the nearest grid point up to fp32 near-ties.
+    codes to the nearest grid point up to fp32 near-ties. decode_attention_fused is held to a float64
+    softmax(x K^T + mask) V, the scores' fp32 error carried through the softmax (check_decode_attention_fused).
 
 Each op runs in its own subprocess (`python tests/test_fuzz_ops.py --worker OP`), so a crash (SIGSEGV, SIGFPE,
 abort) fails that op's test, naming the signal and the case being run, instead of killing pytest. Hypothesis runs
@@ -27,6 +30,7 @@ under TRITON_INTERPRET=1 on CPU: about 0.3 s a call, so not in CI).
 import argparse
 import faulthandler
 import functools
+import itertools
 import json
 import math
 import os
@@ -160,6 +164,9 @@ def _values(n, dtype, kind, gen):
         v = torch.randn(n, generator=gen, dtype=torch.float64) * scale
     elif kind == "scale":  # realistic positive scales
         v = torch.rand(n, generator=gen, dtype=torch.float64) * scale / 10
+    elif kind == "sscale":  # realistic scales of either sign (hybrid reads the sign as its asym flag)
+        sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+        v = sign * torch.rand(n, generator=gen, dtype=torch.float64) * scale / 10
     elif kind == "wide":
         sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
         v = sign * 10.0 ** torch.empty(n, dtype=torch.float64).uniform_(-46, 39, generator=gen)
@@ -179,6 +186,12 @@ def _values(n, dtype, kind, gen):
         v = sign * torch.empty(n, dtype=torch.float64).uniform_(6e4, 3.4e38, generator=gen)
     elif kind == "zeros":
         v = torch.zeros(n, dtype=torch.float64)
+    elif kind in ("mask", "boolmask"):  # additive attention masks: biases, 0, -inf, finfo.min (a masked bool)
+        low = torch.finfo(dtype).min
+        menu = (0.0, -math.inf, low, math.nan) if kind == "mask" else (0.0, low, low, low)
+        v = torch.tensor(menu, dtype=torch.float64)[torch.randint(0, 4, (n,), generator=gen)]
+        if kind == "mask":  # the NaN slot: a finite bias
+            v = torch.where(v.isnan(), torch.randn(n, generator=gen, dtype=torch.float64) * scale, v)
     else:  # an integer kind on a float dtype (after a dtype mutation)
         v = torch.randn(n, generator=gen, dtype=torch.float64)
     return v.to(dtype)
@@ -191,7 +204,14 @@ def build(spec, gen):
         return torch.empty_strided(spec.shape, strides, dtype=spec.dtype, device="meta"), None
     extent = 1 + sum((s - 1) * st for s, st in zip(spec.shape, strides, strict=True)) if all(spec.shape) else 0
     buf = _values(offset + extent + 4, spec.dtype, spec.values, gen)
-    return buf.as_strided(spec.shape, strides, offset), buf
+    view = buf.as_strided(spec.shape, strides, offset)
+    if spec.values == "mask" and spec.dtype.is_floating_point and view.dim() and view.numel():
+        # a row of -inf only masks every key (the softmax is NaN; the op's callers never pass it): its last entry
+        # becomes 0, written through the buffer so that rows sharing memory (stride 0) stay consistent
+        dead = torch.isneginf(view.float()).all(-1).nonzero()  # [rows, dim - 1]
+        at = offset + (dead * torch.tensor(strides[:-1], dtype=torch.int64)).sum(1) + (view.shape[-1] - 1) * strides[-1]
+        buf[at] = 0
+    return view, buf
 
 
 def as_meta(a):
@@ -491,6 +511,107 @@ def aqua_reconstruct_cases(draw):
     return _finish(draw, case, LATTICE_BAD, optional=("signs", "prev2", "weight2"))
 
 
+LAYOUTS = ("rows", "cols")
+# bad layout names, and both valid ones: the other layout is a valid call wherever the shapes still fit (m == D)
+LAYOUT_MUTATIONS = ("", "ROWS", "row", "cols ", "tokens", "rows\x00", "rows", "cols")
+ATTN_GROUPS = (32, 64)
+ATTN_DIMS = (32, 64, 128)
+# positive multiples of 32 too: then the shapes disagree (or m = 0 fits); 2**62 only the bound refuses
+ATTN_BAD_GROUPS = (*BAD_GROUPS, 96, 128, 2**62)
+BAD_SPLITS = (-1, -32, 1, 16, 33, 48, 96, 2**40, 2**63 - 1, -(2**63))  # 96 (G = 32) and 2**40 are valid
+# eleven tensors: with column-major in the menu, too few calls would be valid (column-major comes by mutation)
+ATTN_LAYOUTS = ("contig", "contig", "contig", "padded", "offset", "bcast")
+MASK_VALUES = ("mask", "mask", "boolmask", "normal", "zeros")  # _values: additive masks, -inf rows kept finite
+# one non-finite key or value anywhere in a KV head makes its rows NaN (0 * Inf), so the values are finite in most
+# cases (all kinds in the rest), or the oracle would check few rows
+TAME_VALUES = ("normal", "normal", "normal", "discrete", "constant", "zeros")
+TAME_SCALES = ("scale", "sscale", "sscale", "zeros")
+
+
+@functools.cache
+def _product(*menus):
+    """One draw for a combination (layout and values of a tensor, ...): eleven tensors, so fewer draws per case."""
+    return st.sampled_from(list(itertools.product(*menus)))
+
+
+def _attention_spec(draw, shape, dtype, values):
+    layout, kind = draw(_product(ATTN_LAYOUTS, values))
+    return TSpec(tuple(shape), dtype, layout, kind)
+
+
+def _attention_store(draw, B, H_kv, D, group, layout, scale_values):
+    """(bits, mode, codes, scales, zeros, tokens) of one quantized store of decode_attention_fused."""
+    bits, mode = draw(_product(BITS, MODES))
+    if layout == "rows":  # token t is row t, groups along the D channels
+        m = draw(st.sampled_from((0, 1, 3, 5, 8, 17, 40)))
+        words, groups = (B, H_kv, m, D // 32 * bits), (B, H_kv, m, D // group)
+    else:  # channel-major, groups along the tokens: m a multiple of G
+        m = group * draw(st.sampled_from((0, 1, 1, 2)))
+        words, groups = (B, H_kv, D, m // 32 * bits), (B, H_kv, D, m // group)
+    codes = _attention_spec(draw, words, torch.int32, ("bits",))
+    scales = _attention_spec(draw, groups, torch.float16, scale_values)
+    zeros = None
+    if mode != "sym" or draw(st.booleans()):
+        zeros = _attention_spec(draw, groups, torch.float16, scale_values)
+    return bits, mode, codes, scales, zeros, m
+
+
+@st.composite
+def decode_attention_fused_cases(draw):
+    B, H_kv, ratio = draw(_product((0, 1, 1, 1, 2, 2, 3), (1, 1, 2), (1, 2, 3, 4)))
+    H_q = H_kv * ratio
+    group, k_layout, v_layout = draw(_product(ATTN_GROUPS, LAYOUTS, LAYOUTS))
+    D = draw(st.sampled_from([d for d in ATTN_DIMS if d % group == 0 or "rows" not in (k_layout, v_layout)]))
+    wild = draw(st.sampled_from((False, False, False, True)))
+    values, scale_values = (FLOAT_VALUES, SCALE_VALUES + ("sscale",)) if wild else (TAME_VALUES, TAME_SCALES)
+    k_bits, k_mode, k_codes, k_scales, k_zeros, mk = _attention_store(draw, B, H_kv, D, group, k_layout, scale_values)
+    v_bits, v_mode, v_codes, v_scales, v_zeros, mv = _attention_store(draw, B, H_kv, D, group, v_layout, scale_values)
+    S, extra, T = draw(_product((0, 0, 1, 2, 4), (0, 1, 2, 5, 16, 33), (1, 1, 2, 3, 5)))
+    after = max(max(mk, mv) + extra, 1 - S)  # store + tail tokens, the same for keys and values; N >= 1
+    N = S + after
+    T = min(T, N)
+    dtype = draw(st.sampled_from(FLOAT_X))  # the window dtype: sinks and tails
+
+    def window(n):
+        return _attention_spec(draw, (B, H_kv, n, D), dtype, values)
+
+    x_scale = None
+    if draw(st.booleans()):
+        x_scale = _attention_spec(draw, (H_kv, D), torch.float32, ("scale",))
+    mask = None
+    if draw(st.booleans()):
+        mask_b, mask_h = draw(_product((B, 1), (H_q, 1)))
+        mask = _attention_spec(draw, (mask_b, mask_h, T, N), torch.float32, MASK_VALUES)
+    args = {
+        "x": _attention_spec(draw, (B, H_q, T, D), torch.float32, values),
+        "sink_keys": window(S),
+        "sink_values": window(S),
+        "key_codes": k_codes,
+        "key_scales": k_scales,
+        "key_zeros": k_zeros,
+        "value_codes": v_codes,
+        "value_scales": v_scales,
+        "value_zeros": v_zeros,
+        "key_tail": window(after - mk),
+        "value_tail": window(after - mv),
+        "key_bits": k_bits,
+        "key_mode": k_mode,
+        "key_layout": k_layout,
+        "value_bits": v_bits,
+        "value_mode": v_mode,
+        "value_layout": v_layout,
+        "group_size": group,
+        "key_x_scale": x_scale,
+        "attn_mask": mask,
+        "split_tokens": draw(st.sampled_from((0, 0, group, 2 * group, 4 * group))),
+    }
+    case = Case("decode_attention_fused", args, draw(st.integers(0, 2**32 - 1)))
+    bad = {"key_bits": BAD_BITS, "value_bits": BAD_BITS, "key_mode": BAD_MODES, "value_mode": BAD_MODES}
+    bad |= {"key_layout": LAYOUT_MUTATIONS, "value_layout": LAYOUT_MUTATIONS, "group_size": ATTN_BAD_GROUPS}
+    bad |= {"split_tokens": BAD_SPLITS}
+    return _finish(draw, case, bad, optional=("key_zeros", "value_zeros", "key_x_scale", "attn_mask"))
+
+
 CASES = {
     "pack_bits": pack_bits_cases,
     "unpack_bits": unpack_bits_cases,
@@ -505,6 +626,7 @@ CASES = {
     "gemv_lattice_k": gemv_lattice_k_cases,
     "gemv_lattice_v": gemv_lattice_v_cases,
     "aqua_reconstruct": aqua_reconstruct_cases,
+    "decode_attention_fused": decode_attention_fused_cases,
 }
 
 
@@ -775,6 +897,80 @@ def check_aqua_reconstruct(prev, weight, bias, codes, norms, grid, G, signs, pre
     _assert_within(got, want, mag, (x.shape[1] + math.log2(G) + 8) * EPS32, "aqua_reconstruct", mag + deq_gate)
 
 
+def _attention_part64(codes, scales, zeros, bits, G, mode, layout, factorized):
+    """A store's tokens as _weights sees them, token-major float64 [B, H_kv, m, D]: (w, magnitude, gate)."""
+    parts = _weights(codes, scales, zeros, bits, G, mode, factorized)
+    return parts if layout == "rows" else tuple(t.transpose(-1, -2) for t in parts)
+
+
+def _attention_cache64(sink, store, tail):
+    # sink | store | tail along the tokens: (values, magnitude, gate), float64 [B, H_kv, N, D]
+    window = lambda t: (t.double(), t.double().abs(), t.double().abs())  # noqa: E731 - exact in fp32
+    return tuple(torch.cat(ts, 2) for ts in zip(window(sink), store, window(tail), strict=True))
+
+
+def check_decode_attention_fused(
+    x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
+    value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, G, key_x_scale, attn_mask,
+    split_tokens, got, factorized=False,
+):  # fmt: skip
+    """float64 softmax(x K^T + mask) V over the exact values of the fp32 operands, with the fp32 error propagated:
+    each score is off by at most (D + 8) roundings of sum |x||k| (plus the mask add's); a logit perturbed by e_j
+    moves p_j by the factor e^(e_j) / sum_k p_k e^(e_k), so |p32_j - p_j| <= (g_j + p_j d) / (1 - d) with
+    g_j = p_j (e^(a_j) - 1), a_j bounding e_j and the shift / exp roundings (2|z_j - max| + 4 roundings: also an
+    online softmax's chunk rescales) and d = sum_k g_k plus the normalization's N + 4 roundings; the output adds
+    N + 8 roundings of sum_j p_j |v_j|. A mask entry that dwarfs its score (2^26 times its bound) is the fp32 logit
+    exactly: rows of finfo.min (a fully masked bool row) average uniformly in both. Rows are checked where every
+    fp32 key, value, score and logit is finite and far from overflow."""
+    B, H_q, T, D = x.shape
+    H_kv = sink_keys.shape[1]
+    k_store = _attention_part64(key_codes, key_scales, key_zeros, key_bits, G, key_mode, key_layout, factorized)
+    if key_x_scale is not None:  # stored keys are K / key_x_scale; the fp32 product rounds once more
+        xs = key_x_scale.double()[None, :, None, :]
+        k_store = (k_store[0] * xs, k_store[1] * xs.abs(), k_store[2] * xs.abs())
+    v_store = _attention_part64(value_codes, value_scales, value_zeros, value_bits, G, value_mode, value_layout,
+                                factorized)  # fmt: skip
+    k, k_mag, k_gate = _attention_cache64(sink_keys, k_store, key_tail)
+    v, v_mag, v_gate = _attention_cache64(sink_values, v_store, value_tail)
+    N = k.shape[2]
+    xg = x.double().reshape(B, H_kv, H_q // H_kv, T, D)
+    score = lambda a, b: torch.einsum("bkgtd,bknd->bkgtn", a, b).reshape(B, H_q, T, N)  # noqa: E731
+    s, s_mag, s_gate = score(xg, k), score(xg.abs(), k_mag), score(xg.abs(), k_gate)
+    if attn_mask is None:
+        future = torch.arange(N)[None, :] > torch.arange(N - T, N)[:, None]
+        mask = torch.zeros(T, N, dtype=torch.float64).masked_fill(future, -math.inf).expand(B, H_q, T, N)
+    else:
+        mask = attn_mask.double().expand(B, H_q, T, N)
+    err_s = (D + 8) * EPS32 * s_mag
+    finite = torch.isfinite(mask)
+    absorbed = finite & (mask.abs() * 2.0**-26 > s_mag + err_s)  # fl32(score + mask) == mask
+    z = torch.where(absorbed, mask, s + mask)
+    exact = absorbed | torch.isneginf(mask)
+    delta = torch.where(exact, 0.0, err_s + EPS32 * (s_mag + err_s + mask.abs()))
+    # checked rows: every fp32 key and value of the KV head finite (a masked token's too: 0 * inf is NaN), every
+    # score's partial sums and every logit within fp32's range
+    tokens_ok = ((k_gate < 1e37).all(-1) & (v_gate < 1e37).all(-1)).all(-1)  # [B, H_kv]
+    logit_bound = torch.where(exact | ~finite, 0.0, s_gate + err_s + mask.abs())
+    row_ok = (s_gate < 1e37).all(-1) & (logit_bound < 3e38).all(-1)  # [B, H_q, T]
+    row_ok &= tokens_ok.repeat_interleave(H_q // H_kv, 1)[..., None]
+
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    a = delta + 2 * EPS32 * (z - z.amax(-1, keepdim=True)).abs() + 4 * EPS32
+    a = torch.where(torch.isneginf(z), 0.0, a)  # p_j = 0 exactly in fp32 too
+    grow = torch.exp(logp + a) - p  # p_j (e^(a_j) - 1), without inf * 0
+    d = grow.sum(-1, keepdim=True) + (N + 4) * EPS32
+    p_err = torch.where(d < 1, (grow + p * d) / (1 - d), math.inf)
+    p_err = p_err + torch.where(torch.isneginf(z), 0.0, 2.0**-126)  # exp underflowing past fp32's smallest normal
+    w_err = p_err + (N + 8) * EPS32 * (p + p_err)
+
+    out = lambda w, t: (w.reshape(B, H_kv, H_q // H_kv, T, N) @ t.unsqueeze(2)).reshape(B, H_q, T, D)  # noqa: E731
+    want, mag = out(p, v), out(w_err, v_mag)
+    gate = torch.where(row_ok[..., None], mag + out(p + p_err, v_gate), math.inf)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    _assert_within(got, want, mag, 2.0, "decode_attention_fused", gate)
+
+
 def check_result(op, a, got, before, backend="cpu"):
     """The output of a successful call (a: the built arguments by name) against the reference."""
     if op == "pack_bits":
@@ -816,6 +1012,8 @@ def check_result(op, a, got, before, backend="cpu"):
         check_gemv_lattice_v(*(a[k] for k in ("p", "codes", "norms", "grid", "group_size", "signs")), got)
     elif op == "aqua_reconstruct":
         check_aqua_reconstruct(*(a[k] for k in _ARG_NAMES[op]), got)
+    elif op == "decode_attention_fused":
+        check_decode_attention_fused(*(a[k] for k in _ARG_NAMES[op]), got, factorized=backend == "triton")
     else:
         raise AssertionError(f"no oracle for {op}")
 
@@ -970,6 +1168,29 @@ _ARG_NAMES = {
         "prev2",
         "weight2",
     ),
+    "decode_attention_fused": (
+        "x",
+        "sink_keys",
+        "sink_values",
+        "key_codes",
+        "key_scales",
+        "key_zeros",
+        "value_codes",
+        "value_scales",
+        "value_zeros",
+        "key_tail",
+        "value_tail",
+        "key_bits",
+        "key_mode",
+        "key_layout",
+        "value_bits",
+        "value_mode",
+        "value_layout",
+        "group_size",
+        "key_x_scale",
+        "attn_mask",
+        "split_tokens",
+    ),
 }
 
 
@@ -1110,6 +1331,7 @@ def _quant_into_args():
         ("gemv_lattice_k", 0, "q"),
         ("gemv_lattice_v", 3, "grid"),
         ("aqua_reconstruct", 2, "bias"),
+        ("decode_attention_fused", 3, "key_codes"),
     ],
 )
 def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
@@ -1143,6 +1365,27 @@ def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
             None,
             None,
             None,
+        ],
+        "decode_attention_fused": [  # [1, 2, 1, 64] against one KV head: 64 store tokens (rows) and a 1-token tail
+            gx[:, :, None],
+            *torch.zeros(2, 1, 1, 0, 64).unbind(0),
+            gemv_codes,
+            gemv_scales,
+            gemv_scales,
+            gemv_codes,
+            gemv_scales,
+            gemv_scales,
+            *torch.zeros(2, 1, 1, 1, 64).unbind(0),
+            bits,
+            mode,
+            "rows",
+            bits,
+            mode,
+            "rows",
+            G,
+            None,
+            None,
+            0,
         ],
     }
     args = [(_meta(a) if device == "meta" else a) if isinstance(a, torch.Tensor) else a for a in calls[op]]

@@ -114,7 +114,23 @@ def _opcheck_cases():
         "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (kx, kcodes, kscales, kzeros, 2, 32)),
         **_lattice_opcheck_cases(),
         **_aqua_opcheck_cases(),
+        **_attention_opcheck_cases(),
     }
+
+
+def _attention_opcheck_cases():
+    # fused decode attention over a real InnerQ cache's views (tests/test_fused_attention.py has the sweep)
+    from kvkernels.formats import PRESETS, make_layer_cache
+
+    g = torch.Generator().manual_seed(7)
+    c = make_layer_cache(PRESETS["innerq_hybrid"], 1, 2, 64, capacity=64)
+    c.prefill(torch.randn(1, 2, 170, 64, generator=g).half(), torch.randn(1, 2, 170, 64, generator=g).half())
+    kw = c.fused_attention_operands()
+    names = [a.name for a in torch.ops.kvkernels.decode_attention_fused.default._schema.arguments]
+    x = torch.randn(1, 4, 2, 64, generator=g)
+    mask = torch.randn(1, 1, 2, c.seq_len, generator=g)
+    args = tuple(x if n == "x" else mask if n == "attn_mask" else kw.get(n, 0) for n in names)
+    return {"decode_attention_fused": (torch.ops.kvkernels.decode_attention_fused.default, args)}
 
 
 def _aqua_opcheck_cases():

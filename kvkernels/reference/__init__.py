@@ -1,6 +1,7 @@
 """Pure-PyTorch reference backend: the executable spec of every kvkernels op, and the CPU fallback."""
 
 from .aqua import aqua_reconstruct
+from .attention import decode_attention_fused
 from .gemv import gemv_inner_q, gemv_kivi
 from .lattice import (
     fwht,
@@ -25,6 +26,7 @@ def quantize_groups_into(x, bits, group_size, mode, eta, codes, scales, zeros) -
 
 __all__ = [
     "aqua_reconstruct",
+    "decode_attention_fused",
     "dequantize_groups",
     "fwht",
     "gemv_inner_q",
