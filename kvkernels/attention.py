@@ -18,9 +18,23 @@ most w + G - 1 tokens, so the upcast is negligible next to the quantized GEMVs).
 Causal mask for T > 1: query row t sits at position N - T + t and sees key tokens j <= N - T + t. The mask is
 applied to the concatenated scores, so it is correct wherever those tokens live (fp16 tail or quantized store).
 A caller's attn_mask (padding, trees of speculative drafts) replaces it, again over all N tokens in order.
+
+The same arithmetic in one op: when the cache's attention is exactly this composition (it offers
+fused_attention_operands: InnerQ, KIVI, XQuant), ops.decode_attention_fused computes scores, softmax and output in
+one split-KV pass with a log-sum-exp merge, and the scores never round-trip through memory. Which path runs:
+the `fused_op` argument, else the environment variable KVKERNELS_ATTENTION ("fused", "composed", "auto"); auto (the
+default) fuses on CUDA tensors and composes on CPU, where the op's kernel is the reference (the same work). Caches
+that cannot be fused always compose (use_fused_op).
 """
 
+import os
+
 import torch
+
+from . import ops
+
+ATTENTION_ENV = "KVKERNELS_ATTENTION"
+_POLICIES = ("auto", "fused", "composed")
 
 
 def _grouped_matmul(x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -37,11 +51,7 @@ def _causal_mask(T: int, N: int, device) -> torch.Tensor:
     return torch.arange(N, device=device)[None, :] > rows  # [T, N]
 
 
-def _apply_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    # scores [B, H_q, T, N] fp32, token order. None: causal among the last T rows; else the caller's mask.
-    B, H_q, T, N = scores.shape
-    if attn_mask is None:
-        return scores.masked_fill(_causal_mask(T, N, scores.device), float("-inf")) if T > 1 else scores
+def _check_mask(attn_mask: torch.Tensor, B: int, H_q: int, T: int, N: int) -> None:
     if (
         attn_mask.dim() != 4
         or tuple(attn_mask.shape[-2:]) != (T, N)
@@ -53,6 +63,28 @@ def _apply_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.T
         # an integer 0/1 mask would be added to the scores (as SDPA adds float masks), silently attending to
         # everything; SDPA itself rejects it too
         raise TypeError(f"attn_mask must be bool (True = attend) or a float additive mask, got {attn_mask.dtype}")
+
+
+def _additive_mask(attn_mask: torch.Tensor | None, B: int, H_q: int, T: int, N: int) -> torch.Tensor | None:
+    """The fused op's mask: None stays None (causal), bool -> 0 / finfo.min (as _apply_mask), float -> fp32."""
+    if attn_mask is None:
+        return None
+    _check_mask(attn_mask, B, H_q, T, N)
+    if attn_mask.dtype == torch.bool:
+        mask = torch.zeros(attn_mask.shape, device=attn_mask.device).masked_fill(
+            ~attn_mask, torch.finfo(torch.float32).min
+        )
+    else:
+        mask = attn_mask.to(torch.float32)
+    return mask if mask.stride(-1) == 1 or N == 1 else mask.contiguous()
+
+
+def _apply_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    # scores [B, H_q, T, N] fp32, token order. None: causal among the last T rows; else the caller's mask.
+    B, H_q, T, N = scores.shape
+    if attn_mask is None:
+        return scores.masked_fill(_causal_mask(T, N, scores.device), float("-inf")) if T > 1 else scores
+    _check_mask(attn_mask, B, H_q, T, N)
     if attn_mask.dtype == torch.bool:
         # finfo.min rather than -inf: a fully masked row (a padding query) averages instead of giving NaN
         return scores.masked_fill(~attn_mask, torch.finfo(torch.float32).min)
@@ -73,15 +105,41 @@ def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, batch: int, seq_
         raise ValueError(f"q has T={T} rows but the cache holds {seq_len} tokens; append the new tokens first")
 
 
+def use_fused_op(q: torch.Tensor, operands: dict | None, fused_op: bool | None = None) -> bool:
+    """Whether decode_attention takes the one-op path for these operands (None: the cache cannot be fused).
+
+    fused_op True / False decides (True on a cache that cannot be fused is a ValueError). None reads
+    KVKERNELS_ATTENTION: "composed" never fuses, "fused" fuses every cache that can be, "auto" (default) those on
+    CUDA."""
+    if fused_op is not None:
+        if fused_op and operands is None:
+            raise ValueError(
+                "fused_op=True, but this cache's format attends its own way (its layer cache overrides an attention "
+                "hook, or reads its stores with another op); use fused_op=None or False"
+            )
+        return bool(fused_op)
+    policy = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if policy not in _POLICIES:
+        raise ValueError(f"{ATTENTION_ENV}={policy!r}: must be one of {_POLICIES}")
+    if policy == "composed" or operands is None:
+        return False
+    return policy == "fused" or q.is_cuda
+
+
 def decode_attention(
-    q: torch.Tensor, cache, scale: float | None = None, attn_mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    cache,
+    scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    fused_op: bool | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, H_q, T, D] over a layer cache of any format; returns [B, H_q, T, D] in q.dtype.
 
     scale defaults to D**-0.5. The T rows are the last T tokens of the cache. attn_mask None: causal among
     them. Otherwise attn_mask [B or 1, H_q or 1, T, N] over all N cached tokens in token order replaces the
     causal mask, as SDPA's attn_mask does: bool (True = attend; a fully masked row gets a uniform average, not
-    NaN) or float (added to the scores).
+    NaN) or float (added to the scores). fused_op: True runs ops.decode_attention_fused (ValueError for a cache
+    that cannot), False the composition below, None the module docstring's default.
     """
     if not all(hasattr(cache, h) for h in ("quantized_key_scores", "quantized_value_output", "observe_attention")):
         raise TypeError(f"cache must be a kvkernels layer cache (QuantizedLayerCache), got {type(cache).__name__}")
@@ -89,9 +147,14 @@ def decode_attention(
     _check_q(q, cache.num_kv_heads, cache.head_dim, cache.batch, N)
     if q.device != cache.device:
         raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
-    D = q.shape[3]
+    B, H_q, T, D = q.shape
     scale = D**-0.5 if scale is None else float(scale)
     x = q.to(torch.float32) * scale  # [B, H_q, T, D]
+
+    operands = cache.fused_attention_operands() if hasattr(cache, "fused_attention_operands") else None
+    if use_fused_op(q, operands, fused_op):
+        mask = _additive_mask(attn_mask, B, H_q, T, N)
+        return ops.decode_attention_fused(x, **operands, attn_mask=mask).to(q.dtype)
 
     scores = torch.cat(
         [

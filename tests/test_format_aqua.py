@@ -150,6 +150,7 @@ def test_attention_reads_the_reconstruction():
     got = layer.attention(q)
     want = _sdpa(q, k, v)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert layer.fused_attention_operands() is None  # the fused op would read the residual codes, not K
 
 
 def _sdpa(q, k, v):

@@ -425,16 +425,60 @@ class QuantizedLayerCache:
         softmax and before the value GEMVs. A format that chooses tokens by attention (SpeCache's top-k prefetch)
         reads them here; the default does nothing."""
 
+    # The attention hooks whose base versions make decode attention the plain composition the fused op computes.
+    _COMPOSED_HOOKS = ("quantized_key_scores", "quantized_value_output", "observe_attention")
+
+    def fused_attention_operands(self) -> dict | None:
+        """The keyword arguments of ops.decode_attention_fused (all but x and attn_mask) describing this cache, or
+        None when this cache's attention is not that op's arithmetic: a format that overrides an attention hook
+        (SpeCache reads p, lattice and AQUA attend other codes) or whose stores another GEMV reads.
+
+        Views only (no copy). The stores' layouts say how each one is read, so a format whose GEMV is gemv_inner_q
+        or gemv_kivi over QuantStore-like stores (InnerQ, KIVI, XQuant) gets the fused op without writing code.
+        """
+        cls = type(self)
+        if self.format.gemv_op not in ("gemv_inner_q", "gemv_kivi") or any(
+            getattr(cls, hook) is not getattr(QuantizedLayerCache, hook) for hook in self._COMPOSED_HOOKS
+        ):
+            return None
+        ks, vs = self.key_store, self.value_store
+        (kc, kscale, kz), (vc, vscale, vz) = ks.views(), vs.views()
+        return {
+            "sink_keys": self.sink_keys,
+            "sink_values": self.sink_values,
+            "key_codes": kc,
+            "key_scales": kscale,
+            "key_zeros": kz,
+            "value_codes": vc,
+            "value_scales": vscale,
+            "value_zeros": vz,
+            "key_tail": self.key_tail,
+            "value_tail": self.value_tail,
+            "key_bits": ks.bits,
+            "key_mode": ks.mode,
+            "key_layout": ks.layout,
+            "value_bits": vs.bits,
+            "value_mode": vs.mode,
+            "value_layout": vs.layout,
+            "group_size": ks.group_size,
+            "key_x_scale": self.key_norm,
+        }
+
     # -- reads -----------------------------------------------------------------------------------------------
     def attention(
-        self, q: torch.Tensor, scale: float | None = None, attn_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        scale: float | None = None,
+        attn_mask: torch.Tensor | None = None,
+        fused_op: bool | None = None,
     ) -> torch.Tensor:
         """Decode attention of q [B, H_q, T, D] over the whole cache (see kvkernels.attention.decode_attention).
 
         The T query rows are the last T tokens of the cache (append them first), with a causal mask among them
-        unless attn_mask [B or 1, H_q or 1, T, N] (bool True = attend, or additive float) is given.
+        unless attn_mask [B or 1, H_q or 1, T, N] (bool True = attend, or additive float) is given. fused_op: the one-op
+        path (None: decode_attention's default).
         """
-        return decode_attention(q, self, scale, attn_mask)
+        return decode_attention(q, self, scale, attn_mask, fused_op=fused_op)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full (K, V) [B, H_kv, N, D] in fp32: windows exact, stores dequantized (keys un-normalized)."""

@@ -1,0 +1,134 @@
+"""One layer's decode attention per step: the fused op against the composed path and against SDPA on an fp16 cache,
+in the same run.
+
+    python bench/attention_step.py [--device cpu|cuda] [--tokens 1024 4096 ...] [--batch 1 8] [--presets ...]
+                                   [--q-len 1] [--json out.json]
+
+Shape: Llama-3.1-8B's attention layer (32 query heads on 8 KV heads, head_dim 128), a cache prefilled with N random
+tokens (the quantized formats' windows as their presets set them). Rows per (preset, batch, N):
+  sdpa fp16   torch SDPA (enable_gqa) over the same N tokens as one fp16 K/V tensor: what an fp16 cache costs
+  composed    kvkernels.decode_attention(fused_op=False): window matmuls + the two quantized GEMVs + softmax, ~8-10 ops
+  fused       kvkernels.decode_attention(fused_op=True): ops.decode_attention_fused (CUDA kernel, else Triton)
+Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
+over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). "vs sdpa" is sdpa / row
+(> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.
+
+On CPU the fused op runs the PyTorch reference (dequantize everything, one softmax): CPU rows compare CPU code paths
+and say nothing about GPU speed. The GPU numbers are what this script is for (bench/gpu_verify.sh runs it).
+"""
+
+import argparse
+import functools
+import json
+import sys
+
+import torch
+
+from kvkernels import bench
+from kvkernels.attention import decode_attention
+from kvkernels.formats import PRESETS, make_layer_cache
+
+H_Q, H_KV, D = 32, 8, 128
+
+
+def build_cache(preset: str, batch: int, n: int, device, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = make_layer_cache(PRESETS[preset], batch, H_KV, D, capacity=n, device=device, dtype=torch.float16)
+    chunk = 8192  # prefill in chunks: the fp32 temporaries of one quantize call stay small
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        k = torch.randn(batch, H_KV, m, D, generator=g).to(device, torch.float16)
+        v = torch.randn(batch, H_KV, m, D, generator=g).to(device, torch.float16)
+        c.append(k, v)
+    return c
+
+
+def sdpa_step(q, n: int, q_len: int, a: dict) -> torch.Tensor:
+    # the q_len rows are the last of the n tokens: SDPA's is_causal aligns to the top-left, so give the mask
+    mask = None
+    if q_len > 1:
+        pos = torch.arange(n - q_len, n, device=q.device)[:, None]
+        mask = torch.arange(n, device=q.device)[None, :] <= pos
+    return torch.nn.functional.scaled_dot_product_attention(q, a["k"], a["v"], attn_mask=mask, enable_gqa=True)
+
+
+def cache_step(q, fused: bool, a: dict) -> torch.Tensor:
+    return decode_attention(q, a["c"], fused_op=fused)
+
+
+def time_fn(fn, sets, device) -> float:
+    if device.type == "cuda":
+        return bench.time_cuda(fn, sets)["us"]
+    return bench.time_cpu(fn, sets, target_s=0.3)["us"]
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    l2 = bench._l2_bytes(device) if device.type == "cuda" else 0
+    rows = []
+    for n in args.tokens:
+        for batch in args.batch:
+            g = torch.Generator(device="cpu").manual_seed(n + batch)
+            q = torch.randn(batch, H_Q, args.q_len, D, generator=g).to(device, torch.float16)
+            kv_bytes = 2 * batch * H_KV * n * D * 2
+            n_rot = bench.rotation_count(kv_bytes, l2) if device.type == "cuda" else 1
+            dense = [
+                {
+                    "k": torch.randn(batch, H_KV, n, D, generator=g).to(device, torch.float16),
+                    "v": torch.randn(batch, H_KV, n, D, generator=g).to(device, torch.float16),
+                }
+                for _ in range(n_rot)
+            ]
+            sdpa = functools.partial(sdpa_step, q, n, args.q_len)
+            base = time_fn(sdpa, dense, device)
+            del dense
+            rows.append({"preset": "sdpa fp16", "batch": batch, "tokens": n, "us": base, "vs_sdpa": 1.0})
+            print(f"N {n:>6} B {batch}: sdpa fp16 {base:10.1f} us", flush=True)
+            for preset in args.presets:
+                n_rot_q = bench.rotation_count(kv_bytes // 4, l2) if device.type == "cuda" else 1
+                caches = [{"c": build_cache(preset, batch, n, device, seed=s)} for s in range(min(n_rot_q, 8))]
+                want = decode_attention(q, caches[0]["c"], fused_op=False).float()
+                got = decode_attention(q, caches[0]["c"], fused_op=True).float()
+                err = (got - want).abs().max().item()
+                for path, fused in (("composed", False), ("fused", True)):
+                    us = time_fn(functools.partial(cache_step, q, fused), caches, device)
+                    row = {"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us, "vs_sdpa": base / us}
+                    if fused:
+                        row["max_abs_err_vs_composed"] = err
+                    rows.append(row)
+                    print(
+                        f"N {n:>6} B {batch}: {preset:>14} {path:>8} {us:10.1f} us  x{base / us:5.2f} vs sdpa"
+                        + (f"  (max |fused - composed| {err:.2e})" if fused else ""),
+                        flush=True,
+                    )
+                del caches
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=None)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--presets", nargs="+", default=["innerq_base", "kivi2"])
+    p.add_argument("--q-len", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = [1024, 4096, 16384, 65536, 131072] if args.device.startswith("cuda") else [1024, 4096]
+    unknown = [name for name in args.presets if name not in PRESETS]
+    if unknown:
+        p.error(f"unknown preset(s) {unknown}")
+    env = bench.environment(torch.device(args.device))
+    print(f"# device {args.device}: {env.get('device_name', env.get('cpu', ''))}" + (
+        "  (CPU: the fused op is the PyTorch reference; these are not GPU numbers)" if args.device == "cpu" else ""
+    ))  # fmt: skip
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

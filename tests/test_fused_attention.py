@@ -1,0 +1,210 @@
+"""decode_attention_fused: the op's spec (reference) against the composed decode attention on every format that can be
+fused, its argument checks on every entry point, opcheck, and which path decode_attention takes.
+
+The Triton kernel is held to the reference in tests/test_triton_attention.py, the CUDA kernel in the emulator
+(tests/test_cuda_emulated.py) and on a GPU (tests/test_cuda_kernels.py).
+"""
+
+import pytest
+import torch
+
+import kvkernels
+from kvkernels import attention, ops, reference
+from kvkernels.cache import ModelKVCache
+from kvkernels.formats import PRESETS, format_of, make_layer_cache
+
+FUSABLE = ("innerq", "kivi", "xquant")  # formats whose layer caches keep the base attention hooks
+
+
+def _filled(preset, B=2, H_kv=2, D=64, N=230, prefill=150, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H_kv, N, D, generator=g), torch.randn(B, H_kv, N, D, generator=g)
+    k[..., 5] *= 6.0
+    c = make_layer_cache(PRESETS[preset], B, H_kv, D, capacity=64, dtype=dtype)
+    c.prefill(k[:, :, :prefill].to(dtype), v[:, :, :prefill].to(dtype))
+    for i in range(prefill, N):
+        c.append(k[:, :, i : i + 1].to(dtype), v[:, :, i : i + 1].to(dtype))
+    return c
+
+
+def _q(B, H_q, T, D, seed=1):
+    return torch.randn(B, H_q, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_operands_offered_exactly_by_the_plain_formats(preset):
+    fmt = format_of(PRESETS[preset])
+    if fmt.name == "xquant":
+        pytest.skip("XQuant layers need a model cache: test_xquant_layers_fuse")
+    if fmt.name not in FUSABLE:  # lattice and SpeCache attend their own way: the op would be wrong for them
+        assert make_layer_cache(PRESETS[preset], 1, 2, 64, capacity=64).fused_attention_operands() is None
+        return
+    c = _filled(preset)
+    kw = c.fused_attention_operands()
+    assert kw is not None
+    assert kw["key_layout"] == fmt.key_layout and kw["value_layout"] == fmt.value_layout
+    assert kw["sink_keys"].data_ptr() == c._sink_k.data_ptr()  # views, no copies
+    assert kw["key_codes"].data_ptr() == c.key_store.codes.data_ptr()
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("preset", ["innerq_base", "innerq_hybrid", "innerq_asym1_eta", "kivi2", "kivi4"])
+def test_fused_equals_composed(preset, T):
+    c = _filled(preset)
+    q = _q(2, 6, T, 64)
+    want = c.attention(q, fused_op=False)
+    got = c.attention(q, fused_op=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("N", [1, 3, 31, 40, 129, 161, 200])
+@pytest.mark.parametrize("preset", ["innerq_small", "kivi2"])
+def test_fused_equals_composed_in_every_window_state(preset, N):
+    # sink only, sink + tails, a value store still empty, one store ahead of the other, ...
+    c = _filled(preset, N=N, prefill=min(N, 2))
+    T = min(N, 2)
+    q = _q(2, 4, T, 64)
+    torch.testing.assert_close(c.attention(q, fused_op=True), c.attention(q, fused_op=False), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
+def test_fused_masks(preset):
+    c = _filled(preset, N=120, prefill=100)
+    N = c.seq_len
+    q = _q(2, 4, 2, 64)
+    bool_mask = torch.rand(2, 1, 2, N, generator=torch.Generator().manual_seed(3)) > 0.4
+    bool_mask[1, 0, 1] = False  # a fully masked row (a padding query): uniform average, not NaN
+    float_mask = torch.zeros(1, 4, 2, N).masked_fill(~bool_mask[:1].expand(1, 4, 2, N), float("-inf"))
+    float_mask[..., 0] = 0.0  # every row keeps a token, so -inf never covers a whole row
+    for mask in (bool_mask, float_mask):
+        got = c.attention(q, attn_mask=mask, fused_op=True)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, c.attention(q, attn_mask=mask, fused_op=False), rtol=1e-5, atol=2e-6)
+    _, v = c.dequantized()
+    uniform = v[1].mean(1).repeat_interleave(2, 0)  # [H_q, D]
+    torch.testing.assert_close(c.attention(q, attn_mask=bool_mask, fused_op=True)[1, :, 1], uniform)
+
+
+def test_xquant_layers_fuse():
+    # XQuant's reusing layers read another layer's codes through their store views: the op sees them as any store
+    model = ModelKVCache(PRESETS["xquant_1.38"], capacity=64, num_layers=4)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(4):
+        k, v = torch.randn(1, 2, 180, 64, generator=g), torch.randn(1, 2, 180, 64, generator=g)
+        model.append(layer, k, v)
+    q = _q(1, 4, 1, 64)
+    for layer in range(4):
+        c = model.layer(layer)
+        assert c.fused_attention_operands() is not None
+        torch.testing.assert_close(c.attention(q, fused_op=True), c.attention(q, fused_op=False), rtol=1e-5, atol=2e-6)
+
+
+def test_fused_op_true_on_a_format_that_cannot_raises():
+    c = make_layer_cache(PRESETS["lattice2"], 1, 2, 64, capacity=64)
+    c.append(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64))
+    with pytest.raises(ValueError, match="attends its own way"):
+        c.attention(_q(1, 2, 1, 64), fused_op=True)
+    c.attention(_q(1, 2, 1, 64))  # the default composes
+
+
+def test_policy_env(monkeypatch):
+    c = _filled("kivi2", N=60, prefill=60)
+    q = _q(2, 4, 1, 64)
+    calls = []
+    real = ops.decode_attention_fused
+    monkeypatch.setattr(ops, "decode_attention_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c.attention(q)
+    assert calls == []  # auto: CPU composes
+    monkeypatch.setenv(attention.ATTENTION_ENV, "fused")
+    c.attention(q)
+    assert calls == [1]
+    lattice = make_layer_cache(PRESETS["lattice2"], 1, 2, 64, capacity=64)
+    lattice.append(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64))
+    lattice.attention(_q(1, 2, 1, 64))  # "fused" fuses what can be fused; the rest composes
+    monkeypatch.setenv(attention.ATTENTION_ENV, "composed")
+    c.attention(q, fused_op=True)  # the argument wins over the environment
+    assert calls == [1, 1]
+    monkeypatch.setenv(attention.ATTENTION_ENV, "fast")
+    with pytest.raises(ValueError, match="KVKERNELS_ATTENTION"):
+        c.attention(q)
+
+
+# ---- the op itself -------------------------------------------------------------------------------------------------
+
+
+def _op_args(T=2, mask=False, seed=4):
+    c = _filled("innerq_hybrid", N=150, prefill=140, seed=seed)
+    kw = c.fused_attention_operands()
+    x = _q(2, 4, T, 64, seed=seed) * 0.125
+    if mask:
+        kw["attn_mask"] = torch.randn(1, 4, T, c.seq_len, generator=torch.Generator().manual_seed(seed))
+    return x, kw
+
+
+def test_op_dispatch_runs_the_reference_on_cpu():
+    x, kw = _op_args(mask=True)
+    assert torch.equal(torch.ops.kvkernels.decode_attention_fused(x, **kw), reference.decode_attention_fused(x, **kw))
+    assert torch.equal(kvkernels.ops.decode_attention_fused(x, **kw), reference.decode_attention_fused(x, **kw))
+
+
+def test_split_tokens_is_checked_and_does_not_change_the_reference():
+    x, kw = _op_args()
+    base = reference.decode_attention_fused(x, **kw)
+    assert torch.equal(ops.decode_attention_fused(x, **kw, split_tokens=64), base)
+    with pytest.raises(ValueError, match="split_tokens"):
+        ops.decode_attention_fused(x, **kw, split_tokens=48)
+
+
+def _bad_cases():
+    x, kw = _op_args()
+
+    def with_(**changes):
+        return x, {**kw, **changes}
+
+    N = kw["sink_keys"].shape[2] + kw["key_codes"].shape[2] + kw["key_tail"].shape[2]
+    return {
+        "x half": ((x.half(), kw), TypeError, "x must be float32"),
+        "x 3-D": ((x[:, :, 0], kw), ValueError, r"x must be \[B, H_q, T, D\]"),
+        "heads": ((x[:, :3], kw), ValueError, "multiple of KV heads"),
+        "tail dtype": (with_(key_tail=kw["key_tail"].float()), TypeError, "key_tail must be float16"),
+        "token counts": (with_(value_tail=kw["value_tail"][:, :, 1:]), ValueError, "both must cover the same tokens"),
+        "layout": (with_(key_layout="row"), ValueError, "key_layout must be one of"),
+        "mode": (with_(value_mode="int"), ValueError, "value_mode must be one of"),
+        "bits": (with_(key_bits=5), ValueError, "key_bits must be one of"),
+        "zeros missing": (with_(value_zeros=None), ValueError, "value_zeros is required"),
+        "codes dtype": (with_(key_codes=kw["key_codes"].to(torch.int64)), TypeError, "key_codes must be int32"),
+        "scales shape": (with_(key_scales=kw["key_scales"][..., :1]), ValueError, "key_scales must have shape"),
+        "x_scale shape": (with_(key_x_scale=kw["key_x_scale"][:1]), ValueError, "key_x_scale must have shape"),
+        "mask shape": (with_(attn_mask=torch.zeros(1, 1, 2, N - 1)), ValueError, "attn_mask must be"),
+        "mask dtype": (with_(attn_mask=torch.zeros(1, 1, 2, N, dtype=torch.bool)), TypeError, "attn_mask must be"),
+        "group size": (with_(group_size=48), ValueError, "group_size must be a positive multiple of 32"),
+        "huge group": (with_(group_size=2**62), ValueError, "group_size must be a positive multiple of 32 up to"),
+        "T > N": ((_q(2, 4, N + 1, 64), kw), ValueError, "1 <= T <= N"),
+    }
+
+
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops"])
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_arguments_raise_on_every_entry_point(case, entry):
+    (x, kw), exc, match = _bad_cases()[case]
+    fn = ops.decode_attention_fused if entry == "wrapper" else torch.ops.kvkernels.decode_attention_fused
+    with pytest.raises(exc, match=match):
+        fn(x, **kw)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_opcheck(mask):
+    x, kw = _op_args(mask=mask)
+    names = [a.name for a in torch.ops.kvkernels.decode_attention_fused.default._schema.arguments]
+    args = tuple(x if n == "x" else kw.get(n) for n in names[:-1]) + (0,)
+    torch.library.opcheck(torch.ops.kvkernels.decode_attention_fused.default, args)
+
+
+def test_compiles_with_the_fake():
+    x, kw = _op_args()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(x):
+        return torch.ops.kvkernels.decode_attention_fused(x * 1.0, **kw)
+
+    torch.testing.assert_close(step(x), reference.decode_attention_fused(x, **kw))
