@@ -45,3 +45,9 @@ def test_every_launched_variant_compiles_for_sm80_and_sm90(tmp_path):
     for name in ("_gemv_inner_q_kernel", "_gemv_kivi_kernel", "_quantize_kernel", "_dequantize_kernel"):
         for bits in (1, 2, 3, 4):
             assert f"{name} BITS={bits} " in res.stdout, f"{name} with {bits} bits was not compiled"
+    for bits in (1, 2, 3, 4):  # decode_attention_fused: keys and values at every bit width
+        for which in ("KBITS", "VBITS"):
+            assert f"_attention_split_kernel {which}={bits} " in res.stdout or (
+                which == "VBITS" and f" VBITS={bits} " in res.stdout
+            ), f"_attention_split_kernel with {which}={bits} was not compiled"
+    assert "_merge_kernel " in res.stdout

@@ -190,6 +190,7 @@ def representative_calls(tk):
     quantize((2, 4, 32, 2048), 4, 2048, "hybrid", torch.float16)
     dequantize((2, 4, 32, 2048), 4, 2048, "hybrid")
     lattice_calls(tk, calls, dtypes)
+    attention_calls(tk, calls, dtypes)
     return calls
 
 
@@ -218,6 +219,58 @@ def lattice_calls(tk, calls, dtypes):
     for G in (32, 1024):
         calls.append(lambda G=G: tk.fwht(z(8, 2048, dtype=torch.bfloat16), G))
         calls.append(lambda G=G: tk.fwht(z(8, 2048), G, torch.ones(G, dtype=torch.int8), True))
+
+
+def attention_calls(tk, calls, dtypes):
+    """decode_attention_fused: InnerQ (keys rows, values cols, key_x_scale) and KIVI (keys cols, values rows) layer
+    caches at every bit width, every mode and window dtype, Llama-3.1-8B heads (GQA 4, D 128); q_len 16 with a mask
+    (64 query rows: row blocks); one split (no merge); D 64 with G 64 (64-token tiles); the other two layout
+    pairs; 64-bit store strides."""
+
+    def z(*shape, dtype=torch.float32, device="cpu"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def store(B, H_kv, D, m, bits, G, mode, layout, big=False):
+        shape = (B, H_kv, m, D * bits // 32) if layout == "rows" else (B, H_kv, D, m * bits // 32)
+        gshape = (B, H_kv, m, D // G) if layout == "rows" else (B, H_kv, D, m // G)
+        if big:  # a cache past 2^31 elements: meta tensors with a huge batch stride
+            codes, scales = (
+                torch.empty_strided(s, (2**31 + 4096, *torch.empty(s, device="meta").stride()[1:]), dtype=d,
+                                    device="meta")
+                for s, d in ((shape, torch.int32), (gshape, torch.float16))
+            )  # fmt: skip
+        else:
+            codes, scales = z(*shape, dtype=torch.int32), z(*gshape, dtype=torch.float16)
+        return codes, scales, None if mode == "sym" else scales
+
+    def attn(key, value, dtype, T=1, H_q=32, H_kv=8, D=128, G=32, S=32, mk=3968, mv=3968, tail=96, xs=False,
+             mask=False, big=False):  # fmt: skip
+        (kb, km, kl), (vb, vm, vl) = key, value
+        B, N = 1, S + mk + tail
+        dev = "meta" if big else "cpu"
+        x = z(B, H_q, T, D, device=dev)
+        sk, sv = z(B, H_kv, S, D, dtype=dtype, device=dev), z(B, H_kv, S, D, dtype=dtype, device=dev)
+        kt, vt = z(B, H_kv, tail, D, dtype=dtype, device=dev), z(B, H_kv, N - S - mv, D, dtype=dtype, device=dev)
+        kc, ks, kz = store(B, H_kv, D, mk, kb, G, km, kl, big)
+        vc, vs, vz = store(B, H_kv, D, mv, vb, G, vm, vl, big)
+        x_scale = z(H_kv, D, device=dev) if xs else None
+        m = z(B, 1, T, N, device=dev) if mask else None
+        args = (x, sk, sv, kc, ks, kz, vc, vs, vz, kt, vt, kb, km, kl, vb, vm, vl, G, x_scale, m)
+        calls.append(lambda: tk.decode_attention_fused(*args))
+
+    for bits in (1, 2, 3, 4):
+        attn((bits, "sym", "rows"), (bits, "sym", "cols"), torch.float16, xs=True)  # InnerQ
+        attn((bits, "asym", "cols"), (bits, "asym", "rows"), torch.bfloat16, S=0, mv=4000, tail=160)  # KIVI
+    for dtype in dtypes:  # the window dtypes (sink and tail loads)
+        attn((3, "hybrid", "rows"), (2, "hybrid", "cols"), dtype, xs=True)
+    attn((1, "asym", "rows"), (4, "asym", "cols"), torch.float32, S=0, mv=4000, tail=160)
+    attn((2, "sym", "rows"), (2, "sym", "cols"), torch.float16, T=16, xs=True, mask=True)  # 64 query rows
+    attn((2, "asym", "cols"), (2, "asym", "rows"), torch.bfloat16, T=16, H_q=64, S=0, mv=4000, tail=160, mask=True)
+    attn((3, "sym", "rows"), (2, "sym", "cols"), torch.float16, S=4, mk=30, mv=0, tail=20, xs=True)  # one split
+    attn((2, "sym", "rows"), (4, "asym", "cols"), torch.bfloat16, D=64, G=64, S=0, mk=4000, mv=3968, tail=96)
+    attn((4, "hybrid", "cols"), (1, "asym", "cols"), torch.float16, G=64)
+    attn((2, "asym", "rows"), (2, "asym", "rows"), torch.float16, mv=4000, tail=160, xs=True)
+    attn((3, "sym", "rows"), (3, "sym", "cols"), torch.float16, xs=True, big=True)
 
 
 # Planted faults for --self-test: each must be reported, or the check could pass without looking.
