@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvkernels/quant.cuh"
@@ -187,6 +188,152 @@ inline int64_t check_dequantize(const at::Tensor& codes, const at::Tensor& scale
     check_last_dim_contiguous(op, "zeros", *zeros);
   }
   return L;
+}
+
+// ---- decode_attention_fused (kvkernels/_validate.py check_decode_attention_fused; same order, same messages) ----
+
+struct AttentionSizes {
+  int64_t B, H_q, H_kv, T, D, S, mk, mv, n_kt, n_vt, N;
+  kvk::QuantMode key_mode, value_mode;
+  bool key_cols, value_cols;
+};
+
+// A window-dtype part [B, H_kv, n, D] (sink or tail); returns n.
+inline int64_t check_attention_window(const char* op, const char* name, const at::Tensor& t, int64_t B, int64_t H,
+                                      int64_t D, at::ScalarType dt) {
+  TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(3) == D, "kvkernels.", op, ": ", name,
+                    " must be [B=", B, ", H_kv=", H, ", n, D=", D, "], got shape ", t.sizes());
+  check_dtype(op, name, t, dt);
+  check_last_dim_contiguous(op, name, t);
+  return t.size(2);
+}
+
+inline bool parse_layout(const char* op, const std::string& pre, const std::string& layout) {
+  TORCH_CHECK_VALUE(layout == "rows" || layout == "cols", "kvkernels.", op, ": ", pre,
+                    "layout must be one of ('rows', 'cols'), got '", layout, "'");
+  return layout == "cols";
+}
+
+// One quantized store; returns its token count.
+inline int64_t check_attention_store(const char* op, const std::string& pre, const at::Tensor& codes,
+                                     const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t bits,
+                                     kvk::QuantMode mode, bool cols, int64_t G, int64_t B, int64_t H, int64_t D) {
+  check_dtype(op, (pre + "codes").c_str(), codes, at::kInt);
+  check_last_dim_contiguous(op, (pre + "codes").c_str(), codes);
+  TORCH_CHECK_VALUE(codes.dim() == 4 && codes.size(0) == B && codes.size(1) == H, "kvkernels.", op, ": ", pre,
+                    "codes must be 4-D [B=", B, ", H_kv=", H, ", rows, words], got shape ", codes.sizes());
+  int64_t m;
+  std::vector<int64_t> groups;
+  if (!cols) {
+    m = codes.size(2);
+    TORCH_CHECK_VALUE(codes.size(3) == D / kBlock * bits, "kvkernels.", op, ": ", pre, "codes (layout rows) must hold ",
+                      "D*bits/32 = ", D / kBlock * bits, " words per token, got ", codes.size(3));
+    groups = {B, H, m, D / G};
+  } else {
+    TORCH_CHECK_VALUE(codes.size(2) == D, "kvkernels.", op, ": ", pre, "codes (layout cols) must be [B, H_kv, D=", D,
+                      ", m*bits/32], got shape ", codes.sizes());
+    TORCH_CHECK_VALUE(codes.size(3) % bits == 0, "kvkernels.", op, ": ", pre, "codes last dim ", codes.size(3),
+                      " must be a multiple of bits=", bits);
+    m = codes.size(3) / bits * kBlock;
+    TORCH_CHECK_VALUE(m % G == 0, "kvkernels.", op, ": ", pre, "store (layout cols) holds ", m,
+                      " tokens, not a multiple of group_size=", G);
+    groups = {B, H, D, m / G};
+  }
+  check_dtype(op, (pre + "scales").c_str(), scales, at::kHalf);
+  check_shape(op, (pre + "scales").c_str(), scales, groups);
+  check_last_dim_contiguous(op, (pre + "scales").c_str(), scales);
+  TORCH_CHECK_VALUE(zeros.has_value() || mode == kvk::QuantMode::kSym, "kvkernels.", op, ": ", pre,
+                    "zeros is required for asym and hybrid modes");
+  if (zeros.has_value()) {
+    check_dtype(op, (pre + "zeros").c_str(), *zeros, at::kHalf);
+    check_shape(op, (pre + "zeros").c_str(), *zeros, groups);
+    check_last_dim_contiguous(op, (pre + "zeros").c_str(), *zeros);
+  }
+  return m;
+}
+
+inline AttentionSizes check_decode_attention_fused(
+    const at::Tensor& x, const at::Tensor& sink_keys, const at::Tensor& sink_values, const at::Tensor& key_codes,
+    const at::Tensor& key_scales, const std::optional<at::Tensor>& key_zeros, const at::Tensor& value_codes,
+    const at::Tensor& value_scales, const std::optional<at::Tensor>& value_zeros, const at::Tensor& key_tail,
+    const at::Tensor& value_tail, int64_t key_bits, const std::string& key_mode, const std::string& key_layout,
+    int64_t value_bits, const std::string& value_mode, const std::string& value_layout, int64_t group_size,
+    const std::optional<at::Tensor>& key_x_scale, const std::optional<at::Tensor>& attn_mask, int64_t split_tokens) {
+  const char* op = "decode_attention_fused";
+  check_defined(op, "x", x);
+  check_defined(op, "sink_keys", sink_keys);
+  check_defined(op, "sink_values", sink_values);
+  check_defined(op, "key_codes", key_codes);
+  check_defined(op, "key_scales", key_scales);
+  check_defined(op, "value_codes", value_codes);
+  check_defined(op, "value_scales", value_scales);
+  check_defined(op, "key_tail", key_tail);
+  check_defined(op, "value_tail", value_tail);
+  AttentionSizes z{};
+  TORCH_CHECK_VALUE(x.dim() == 4, "kvkernels.", op, ": x must be [B, H_q, T, D], got shape ", x.sizes());
+  check_dtype(op, "x", x, at::kFloat);
+  check_last_dim_contiguous(op, "x", x);
+  z.B = x.size(0), z.H_q = x.size(1), z.T = x.size(2), z.D = x.size(3);
+  TORCH_CHECK_VALUE(sink_keys.dim() == 4, "kvkernels.", op, ": sink_keys must be [B, H_kv, S, D], got shape ",
+                    sink_keys.sizes());
+  z.H_kv = sink_keys.size(1);
+  TORCH_CHECK_VALUE(z.H_kv != 0 && z.H_q % z.H_kv == 0, "kvkernels.", op, ": query heads H_q=", z.H_q,
+                    " must be a multiple of KV heads H_kv=", z.H_kv);
+  check_activation(op, "sink_keys", sink_keys);
+  const at::ScalarType dt = sink_keys.scalar_type();
+  z.S = check_attention_window(op, "sink_keys", sink_keys, z.B, z.H_kv, z.D, dt);
+  TORCH_CHECK_VALUE(check_attention_window(op, "sink_values", sink_values, z.B, z.H_kv, z.D, dt) == z.S, "kvkernels.",
+                    op, ": sink_values must match sink_keys ", sink_keys.sizes(), ", got ", sink_values.sizes());
+  z.n_kt = check_attention_window(op, "key_tail", key_tail, z.B, z.H_kv, z.D, dt);
+  z.n_vt = check_attention_window(op, "value_tail", value_tail, z.B, z.H_kv, z.D, dt);
+  // the bound: nothing else limits G when a token-grouped store is empty, and the kernels hold G in an int
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0 && group_size <= (int64_t{1} << 20), "kvkernels.", op,
+                    ": group_size must be a positive multiple of 32 up to 1048576, got ", group_size);
+  TORCH_CHECK_VALUE(key_bits >= 1 && key_bits <= 4, "kvkernels.", op, ": key_bits must be one of (1, 2, 3, 4), got ",
+                    key_bits);
+  for (const auto& [name, mode] : {std::pair<const char*, const std::string&>{"key_mode", key_mode},
+                                    std::pair<const char*, const std::string&>{"value_mode", value_mode}}) {
+    TORCH_CHECK_VALUE(mode == "sym" || mode == "asym" || mode == "hybrid", "kvkernels.", op, ": ", name,
+                      " must be one of ('sym', 'asym', 'hybrid'), got '", mode, "'");
+  }
+  z.key_mode = parse_mode(op, key_mode);
+  z.key_cols = parse_layout(op, "key_", key_layout);
+  TORCH_CHECK_VALUE(value_bits >= 1 && value_bits <= 4, "kvkernels.", op,
+                    ": value_bits must be one of (1, 2, 3, 4), got ", value_bits);
+  z.value_mode = parse_mode(op, value_mode);
+  z.value_cols = parse_layout(op, "value_", value_layout);
+  TORCH_CHECK_VALUE(z.key_cols || z.D % group_size == 0, "kvkernels.", op, ": head_dim D=", z.D,
+                    " must be a multiple of group_size=", group_size, " (key store in layout rows)");
+  TORCH_CHECK_VALUE(z.value_cols || z.D % group_size == 0, "kvkernels.", op, ": head_dim D=", z.D,
+                    " must be a multiple of group_size=", group_size, " (value store in layout rows)");
+  z.mk = check_attention_store(op, "key_", key_codes, key_scales, key_zeros, key_bits, z.key_mode, z.key_cols,
+                               group_size, z.B, z.H_kv, z.D);
+  z.mv = check_attention_store(op, "value_", value_codes, value_scales, value_zeros, value_bits, z.value_mode,
+                               z.value_cols, group_size, z.B, z.H_kv, z.D);
+  z.N = z.S + z.mk + z.n_kt;
+  TORCH_CHECK_VALUE(z.S + z.mv + z.n_vt == z.N, "kvkernels.", op, ": keys hold ", z.N, " tokens (sink ", z.S,
+                    " + store ", z.mk, " + tail ", z.n_kt, ") but values hold ", z.S + z.mv + z.n_vt, " (sink ", z.S,
+                    " + store ", z.mv, " + tail ", z.n_vt, "); both must cover the same tokens");
+  TORCH_CHECK_VALUE(z.T >= 1 && z.T <= z.N, "kvkernels.", op, ": x has T=", z.T, " query rows; need 1 <= T <= N=",
+                    z.N, " (the rows are the last T cached tokens)");
+  if (key_x_scale.has_value()) {
+    check_dtype(op, "key_x_scale", *key_x_scale, at::kFloat);
+    check_shape(op, "key_x_scale", *key_x_scale, {z.H_kv, z.D});
+    check_last_dim_contiguous(op, "key_x_scale", *key_x_scale);
+  }
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    check_dtype(op, "attn_mask", m, at::kFloat);
+    TORCH_CHECK_VALUE(m.dim() == 4 && m.size(2) == z.T && m.size(3) == z.N && (m.size(0) == 1 || m.size(0) == z.B) &&
+                          (m.size(1) == 1 || m.size(1) == z.H_q),
+                      "kvkernels.", op, ": attn_mask must be [B or 1, H_q or 1, T=", z.T, ", N=", z.N, "], got shape ",
+                      m.sizes());
+    check_last_dim_contiguous(op, "attn_mask", m);
+  }
+  TORCH_CHECK_VALUE(split_tokens >= 0 && split_tokens % group_size == 0, "kvkernels.", op,
+                    ": split_tokens must be 0 (planned) or a positive multiple of group_size=", group_size, ", got ",
+                    split_tokens);
+  return z;
 }
 
 }  // namespace kvk_checks

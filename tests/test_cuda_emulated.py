@@ -1,6 +1,7 @@
 """The real CUDA kernels, run on the CPU through a host emulation of the CUDA execution model.
 
-tests/cuda_emu/build.sh compiles csrc/cuda/{gemv_inner_q,gemv_kivi,gemv_lattice,quantize,aqua_reconstruct}.cu with g++
+tests/cuda_emu/build.sh compiles csrc/cuda/{gemv_inner_q,gemv_kivi,gemv_lattice,quantize,aqua_reconstruct,
+decode_attention}.cu with g++
 (AddressSanitizer + UBSan) after rewriting their launches (tests/cuda_emu/emu.h: one thread per CUDA thread,
 barriers for __syncthreads and shuffles). driver.cpp runs the launchers (planning, split-K, workspace, T chunks,
 vector-load selection) on random data with odd shapes and strided views, against a double-precision reference. This
@@ -48,8 +49,16 @@ def driver() -> Path:
 
 @pytest.mark.parametrize(
     "which",
-    ["decode", "iq", "kivi", "q", "lattice", "aqua"],
-    ids=["mma_decoders", "gemv_inner_q", "gemv_kivi", "quantize_groups_into", "gemv_lattice", "aqua_reconstruct"],
+    ["decode", "iq", "kivi", "q", "lattice", "aqua", "attn"],
+    ids=[
+        "mma_decoders",
+        "gemv_inner_q",
+        "gemv_kivi",
+        "quantize_groups_into",
+        "gemv_lattice",
+        "aqua_reconstruct",
+        "decode_attention_fused",
+    ],  # fmt: skip
 )
 def test_cuda_kernel_under_emulation(driver, which):
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")

@@ -696,3 +696,146 @@ def _opcheck_cases():
 def test_opcheck_cuda(name):
     op, args = _opcheck_cases()[name]
     torch.library.opcheck(op, args)
+
+
+# ---- decode_attention_fused -------------------------------------------------------------------------------------
+# softmax(x K^T + mask) V over sink | quantized store | tail vs kvkernels.reference.decode_attention_fused (fp32 on
+# the CPU). The kernel is fp32 throughout (scores, softmax, P V; expf of --use_fast_math), so it differs from the
+# reference by summation order only: checked at 1e-4 of max |V| (+ 1e-5), with scores of order one.
+
+
+def _attn_store(kv, bits, mode, layout, G, pad, seed):
+    """Quantizes kv [B, H, m, D] into a store of the given layout, as views of buffers `pad` wider."""
+    src = kv if layout == "rows" else kv.transpose(-1, -2).contiguous()  # cols: groups of G tokens
+    codes, scales, zeros = reference.quantize_groups(src, bits, G, mode)
+    zeros = None if mode == "sym" and seed % 2 else zeros
+    return [None if t is None else _narrow_last(t, pad) for t in (codes, scales, zeros)]
+
+
+def _attn_operands(B, H_kv, D, S, mk, mv, n_kt, key, value, G, dtype, x_scale, seed):
+    """Random operands (CPU) of decode_attention_fused; key / value = (bits, mode, layout)."""
+    g = _gen(seed)
+    N = S + mk + n_kt
+    k_all = torch.randn((B, H_kv, N, D), generator=g)
+    v_all = torch.randn((B, H_kv, N, D), generator=g)
+    xs = torch.rand((H_kv, D), generator=g) + 0.5 if x_scale else None
+    k_store = k_all[:, :, S : S + mk] / (xs[None, :, None, :] if xs is not None else 1.0)
+    kc, ks, kz = _attn_store(k_store, *key, G, pad=8, seed=seed)
+    vc, vs, vz = _attn_store(v_all[:, :, S : S + mv], *value, G, pad=4, seed=seed + 1)
+    win = lambda t: _narrow_last(t.to(dtype), pad=3)  # noqa: E731 (strided window views)
+    return {
+        "sink_keys": win(k_all[:, :, :S]), "sink_values": win(v_all[:, :, :S]),
+        "key_codes": kc, "key_scales": ks, "key_zeros": kz, "value_codes": vc, "value_scales": vs, "value_zeros": vz,
+        "key_tail": win(k_all[:, :, S + mk :]), "value_tail": win(v_all[:, :, S + mv :]),
+        "key_bits": key[0], "key_mode": key[1], "key_layout": key[2],
+        "value_bits": value[0], "value_mode": value[1], "value_layout": value[2],
+        "group_size": G, "key_x_scale": xs,
+    }  # fmt: skip
+
+
+def _attn_check(x, kw, attn_mask=None, split_tokens=0):
+    """Runs the CUDA op on copies of the CPU operands and compares with the reference; returns the CUDA output."""
+    ref = reference.decode_attention_fused(x, **kw, attn_mask=attn_mask, split_tokens=split_tokens)
+    dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    m = attn_mask.to(DEV) if attn_mask is not None else None
+    y = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, attn_mask=m, split_tokens=split_tokens)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    vmax = max(
+        reference.attention.store_tokens(kw["value_codes"], kw["value_scales"], kw["value_zeros"], kw["value_bits"],
+                                          kw["group_size"], kw["value_mode"], kw["value_layout"]).abs().max().item()
+        if kw["value_codes"].numel() else 0.0,
+        kw["sink_values"].float().abs().max().item() if kw["sink_values"].numel() else 0.0,
+        kw["value_tail"].float().abs().max().item() if kw["value_tail"].numel() else 0.0,
+    )  # fmt: skip
+    err = (y.cpu() - ref).abs()
+    assert torch.isfinite(ref).all() == torch.isfinite(y.cpu()).all()
+    bound = 1e-4 * vmax + 1e-5
+    assert err.max().item() <= bound, f"max err {err.max().item():.3g} > {bound:.3g}"
+    return y
+
+
+INNERQ_PAIRS = [
+    ((kb, km, "rows"), (vb, vm, "cols"))
+    for kb, km, vb, vm in [
+        (1, "sym", 4, "asym"),
+        (2, "hybrid", 3, "sym"),
+        (3, "asym", 2, "hybrid"),
+        (4, "sym", 1, "sym"),
+    ]
+]
+KIVI_PAIRS = [((b, "asym", "cols"), (5 - b, "asym", "rows")) for b in BITS]
+OTHER_PAIRS = [((3, "hybrid", "rows"), (2, "asym", "rows")), ((2, "sym", "cols"), (4, "hybrid", "cols"))]
+
+
+@pytest.mark.parametrize("key,value", INNERQ_PAIRS + KIVI_PAIRS + OTHER_PAIRS)
+@pytest.mark.parametrize("split_tokens", [0, 64])
+def test_decode_attention_fused_layouts_bits(key, value, split_tokens):
+    B, H_kv, gq, T, D, G = 2, 2, 3, 1, 128, 32
+    kw = _attn_operands(B, H_kv, D, S=1, mk=128, mv=96, n_kt=5, key=key, value=value, G=G, dtype=torch.float16,
+                        x_scale=key[2] == "rows", seed=sum(key[:1]) * 7 + value[0])  # fmt: skip
+    x = torch.randn((B, H_kv * gq, T, D), generator=_gen(3)) * D**-0.5
+    _attn_check(x, kw, split_tokens=split_tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("D,G", [(64, 32), (128, 64)])
+@pytest.mark.parametrize("S,mk,mv,n_kt", [(0, 64, 64, 0), (5, 256, 192, 7), (1, 32, 320, 300)])
+@pytest.mark.parametrize("T,gq", [(1, 1), (3, 3), (5, 4)])
+def test_decode_attention_fused_shapes(dtype, D, G, S, mk, mv, n_kt, T, gq):
+    kw = _attn_operands(2, 2, D, S, mk, mv, n_kt, (3, "hybrid", "rows"), (2, "asym", "cols"), G, dtype, True, seed=5)
+    x = torch.randn((2, 2 * gq, T, D), generator=_gen(4)) * D**-0.5
+    for split_tokens in (0, G, 3 * G):
+        _attn_check(x, kw, split_tokens=split_tokens)
+
+
+def test_decode_attention_fused_masks():
+    B, H_kv, gq, T, D = 2, 2, 2, 3, 64
+    kw = _attn_operands(
+        B, H_kv, D, 1, 96, 64, 9, (2, "asym", "cols"), (2, "asym", "rows"), 32, torch.bfloat16, False, 9
+    )
+    N = 1 + 96 + 9
+    x = torch.randn((B, H_kv * gq, T, D), generator=_gen(5)) * D**-0.5
+    g = _gen(6)
+    for shape in [(B, H_kv * gq, T, N), (1, H_kv * gq, T, N), (B, 1, T, N), (1, 1, T, N)]:
+        mask = torch.where(torch.rand(shape, generator=g) < 0.3, float("-inf"), -torch.rand(shape, generator=g))
+        mask[..., 0] = 0.0  # one finite score per row
+        mask[..., 0, :] = torch.finfo(torch.float32).min  # a fully masked (bool -> finfo.min) row: uniform average
+        for split_tokens in (0, 32):
+            _attn_check(x, kw, attn_mask=_narrow_last(mask, 5), split_tokens=split_tokens)
+
+
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
+@pytest.mark.parametrize("prompt,steps", [(40, 0), (100, 3), (600, 2)])
+def test_decode_attention_fused_real_caches(preset, prompt, steps):
+    from kvkernels.formats import PRESETS, make_layer_cache
+
+    B, H_kv, gq, D = 2, 2, 4, 128
+    g = torch.Generator(device=DEV).manual_seed(prompt + steps)
+    c = make_layer_cache(PRESETS[preset], B, H_kv, D, capacity=64, device=DEV)
+    k = torch.randn((B, H_kv, prompt, D), generator=g, device=DEV)
+    v = torch.randn((B, H_kv, prompt, D), generator=g, device=DEV)
+    c.prefill(k.half(), v.half())
+    for _ in range(steps):
+        c.append(torch.randn((B, H_kv, 1, D), device=DEV).half(), torch.randn((B, H_kv, 1, D), device=DEV).half())
+    kw = c.fused_attention_operands()
+    assert kw is not None
+    x = torch.randn((B, H_kv * gq, 1, D), generator=g, device=DEV) * D**-0.5
+    cpu = {k2: v2.cpu() if isinstance(v2, torch.Tensor) else v2 for k2, v2 in kw.items()}
+    ref = reference.decode_attention_fused(x.cpu(), **cpu)
+    y = torch.ops.kvkernels.decode_attention_fused(x, **kw, attn_mask=None)
+    torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-4)
+    y2 = torch.ops.kvkernels.decode_attention_fused(x, **kw, attn_mask=None, split_tokens=kw["group_size"])
+    torch.testing.assert_close(y2.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_fused_deterministic_and_errors():
+    kw = _attn_operands(1, 1, 64, 0, 2048, 2048, 3, (2, "sym", "rows"), (2, "sym", "cols"), 64, torch.float16, True, 11)
+    dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    x = torch.randn((1, 4, 1, 64), generator=_gen(7)).to(DEV)
+    op = torch.ops.kvkernels.decode_attention_fused
+    y1, y2 = op(x, **dev), op(x, **dev)  # planned: split-KV over the long store (one CTA < a wave)
+    assert torch.equal(y1, y2)
+    kw96 = _attn_operands(1, 1, 96, 0, 64, 64, 1, (2, "sym", "rows"), (2, "sym", "cols"), 32, torch.float16, False, 1)
+    dev96 = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw96.items()}
+    with pytest.raises((ValueError, RuntimeError), match="head_dim"):
+        op(torch.randn((1, 1, 1, 96), device=DEV), **dev96)

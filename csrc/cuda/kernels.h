@@ -169,6 +169,65 @@ inline bool aqua_operand_aligned(const void* ptr, int64_t rows, int64_t cols, in
 cudaError_t launch_aqua_reconstruct(const AquaReconstructParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------
+// decode_attention_fused (kvkernels/reference/attention.py is the spec): one layer's decode attention
+//   out[b, h, t, :] = softmax_j(x[b, h, t, :] . K[b, h_kv, j, :] + mask[b, h, t, j]) V[b, h_kv, j, :]
+// with h_kv = h / (H_q / H_kv). Keys and values are each, in token order, a window sink [S tokens] | a quantized store
+// [m tokens] | a window tail [N - S - m tokens]; the key and value stores may hold different token counts.
+// Split-KV (FlashDecoding): csrc/cuda/decode_attention.cu has the design.
+
+// Window-dtype rows [B, H_kv, n, D] (sink or tail) of dtype DecodeAttentionParams::window_dtype.
+struct AttnWindow {
+  const void* p;          // (nullptr allowed when n == 0)
+  int64_t n;              // tokens
+  int64_t sb, sh, st;     // batch, KV head, token strides (elements)
+};
+
+enum class StoreLayout : int { kRows = 0, kCols = 1 };
+
+// A quantized store: "rows" = codes [B, H_kv, m, D*bits/32] + scales/zeros [B, H_kv, m, D/G] (token-major, groups
+// of G channels); "cols" = codes [B, H_kv, D, m*bits/32] + scales/zeros [B, H_kv, D, m/G] (groups of G tokens).
+struct AttnStore {
+  const uint32_t* codes;   // packed words
+  const uint16_t* scales;  // fp16 bits (hybrid: sign bit = asym group)
+  const uint16_t* zeros;   // fp16 bits; nullptr allowed for sym only
+  int64_t m;               // tokens (cols: a multiple of group_size)
+  int bits;                // 1..4
+  QuantMode mode;          // sym / asym / hybrid
+  StoreLayout layout;
+  int64_t c_sb, c_sh, c_sr;  // codes: batch, KV head, row (token for rows, channel for cols) strides (words)
+  int64_t s_sb, s_sh, s_sr;  // scales
+  int64_t z_sb, z_sh, z_sr;  // zeros (ignored when zeros == nullptr)
+};
+
+struct DecodeAttentionParams {
+  const float* x;             // [B, H_q, T, D] fp32, queries times the softmax scale
+  AttnWindow sink_k, sink_v;  // [B, H_kv, S, D] (same S)
+  AttnWindow tail_k, tail_v;  // [B, H_kv, N - S - m, D]
+  AttnStore keys, values;     // the quantized stores (keys.m != values.m allowed)
+  XDtype window_dtype;        // dtype of the four windows
+  const float* key_x_scale;   // [H_kv, D]: stored keys are K / key_x_scale (the store's keys are deq * it); or nullptr
+  const float* mask;          // additive fp32 [B|1, H_q|1, T, N], or nullptr = causal among the last T tokens
+  float* out;                 // [B, H_q, T, D] fp32
+  float* workspace;           // split partials, >= decode_attention_workspace_floats(*this) floats (nullptr if 0)
+  int64_t workspace_floats;   // size of `workspace`, checked by the launcher
+  int64_t B, H_q, H_kv, T, N;  // N = S + keys.m + tail_k.n = S + values.m + tail_v.n
+  int D;                      // head_dim: 64 or 128
+  int group_size;             // G, a positive multiple of 32 (rows layout: dividing D)
+  int64_t split_tokens;       // tokens per split-KV chunk (multiple of G), 0 = planned; never changes the math
+  int num_sms;                // multiprocessor count of the device (split planning)
+  int64_t x_sb, x_sh, x_st;   // x strides
+  int64_t xs_sh;              // key_x_scale row stride
+  int64_t m_sb, m_sh, m_st;   // mask strides (0 for a broadcast batch / head dim)
+  int64_t o_sb, o_sh, o_st;   // out strides
+};
+
+// fp32 workspace the launcher needs (0 with a single split). Deterministic in the params.
+int64_t decode_attention_workspace_floats(const DecodeAttentionParams& p);
+// Splits the launcher will run (tests and diagnostics); 0 for invalid params.
+int64_t decode_attention_num_splits(const DecodeAttentionParams& p);
+cudaError_t launch_decode_attention_fused(const DecodeAttentionParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------
 // Storage ops. Their tensors are "rows" of a last dim, with up to kMaxRowDims leading dims of any stride
 // (the binding coalesces adjacent dims first and falls back to a contiguous copy beyond that).
 constexpr int kMaxRowDims = 4;

@@ -632,6 +632,107 @@ at::Tensor aqua_reconstruct(const at::Tensor& prev, const at::Tensor& weight, co
   return out;
 }
 
+// ---- fused decode attention -------------------------------------------------------------------------------------
+
+kvk::AttnWindow attention_window(const at::Tensor& t) {
+  kvk::AttnWindow w{};
+  w.n = t.size(2);
+  w.p = w.n > 0 ? t.const_data_ptr() : nullptr;
+  w.sb = t.stride(0), w.sh = t.stride(1), w.st = t.stride(2);
+  return w;
+}
+
+kvk::AttnStore attention_store(const at::Tensor& codes, const at::Tensor& scales,
+                               const std::optional<at::Tensor>& zeros, int64_t m, int64_t bits, kvk::QuantMode mode,
+                               bool cols) {
+  kvk::AttnStore st{};
+  st.codes = words(codes);
+  st.scales = half_bits(scales);
+  st.zeros = zeros.has_value() ? half_bits(*zeros) : nullptr;
+  st.m = m;
+  st.bits = static_cast<int>(bits);
+  st.mode = mode;
+  st.layout = cols ? kvk::StoreLayout::kCols : kvk::StoreLayout::kRows;
+  st.c_sb = codes.stride(0), st.c_sh = codes.stride(1), st.c_sr = codes.stride(2);
+  st.s_sb = scales.stride(0), st.s_sh = scales.stride(1), st.s_sr = scales.stride(2);
+  if (zeros.has_value()) st.z_sb = zeros->stride(0), st.z_sh = zeros->stride(1), st.z_sr = zeros->stride(2);
+  return st;
+}
+
+// Mirrors kvkernels/_validate.py check_decode_attention_fused (kvk_checks::check_decode_attention_fused), then the
+// CUDA kernel's own limit: head_dim 64 or 128.
+at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_keys, const at::Tensor& sink_values,
+                                  const at::Tensor& key_codes, const at::Tensor& key_scales,
+                                  const std::optional<at::Tensor>& key_zeros, const at::Tensor& value_codes,
+                                  const at::Tensor& value_scales, const std::optional<at::Tensor>& value_zeros,
+                                  const at::Tensor& key_tail, const at::Tensor& value_tail, int64_t key_bits,
+                                  const std::string& key_mode, const std::string& key_layout, int64_t value_bits,
+                                  const std::string& value_mode, const std::string& value_layout,
+                                  int64_t group_size, const std::optional<at::Tensor>& key_x_scale,
+                                  const std::optional<at::Tensor>& attn_mask, int64_t split_tokens) {
+  const char* op = "decode_attention_fused";
+  const AttentionSizes z = check_decode_attention_fused(
+      x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
+      value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size, key_x_scale,
+      attn_mask, split_tokens);
+  const at::Device device = x.device();
+  check_cuda(op, "x", x, device);
+  check_cuda(op, "sink_keys", sink_keys, device);
+  check_cuda(op, "sink_values", sink_values, device);
+  check_cuda(op, "key_codes", key_codes, device);
+  check_cuda(op, "key_scales", key_scales, device);
+  if (key_zeros.has_value()) check_cuda(op, "key_zeros", *key_zeros, device);
+  check_cuda(op, "value_codes", value_codes, device);
+  check_cuda(op, "value_scales", value_scales, device);
+  if (value_zeros.has_value()) check_cuda(op, "value_zeros", *value_zeros, device);
+  check_cuda(op, "key_tail", key_tail, device);
+  check_cuda(op, "value_tail", value_tail, device);
+  if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
+  if (attn_mask.has_value()) check_cuda(op, "attn_mask", *attn_mask, device);
+  TORCH_CHECK_VALUE(z.D == 64 || z.D == 128, "kvkernels.", op, ": the CUDA kernel takes head_dim in (64, 128), got ",
+                    z.D, "; kvkernels.reference.decode_attention_fused computes any head_dim");
+
+  const c10::cuda::CUDAGuard device_guard(device);
+  at::Tensor out = at::empty({z.B, z.H_q, z.T, z.D}, x.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+
+  kvk::DecodeAttentionParams p{};
+  p.x = x.const_data_ptr<float>();
+  p.sink_k = attention_window(sink_keys);
+  p.sink_v = attention_window(sink_values);
+  p.tail_k = attention_window(key_tail);
+  p.tail_v = attention_window(value_tail);
+  p.keys = attention_store(key_codes, key_scales, key_zeros, z.mk, key_bits, z.key_mode, z.key_cols);
+  p.values = attention_store(value_codes, value_scales, value_zeros, z.mv, value_bits, z.value_mode, z.value_cols);
+  p.window_dtype = activation_dtype(op, "sink_keys", sink_keys);
+  p.key_x_scale = key_x_scale.has_value() ? key_x_scale->const_data_ptr<float>() : nullptr;
+  p.xs_sh = key_x_scale.has_value() ? key_x_scale->stride(0) : 0;
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    p.mask = m.const_data_ptr<float>();
+    p.m_sb = m.size(0) == 1 ? 0 : m.stride(0);  // a broadcast dim reads its one row
+    p.m_sh = m.size(1) == 1 ? 0 : m.stride(1);
+    p.m_st = m.stride(2);
+  }
+  p.out = out.data_ptr<float>();
+  p.B = z.B, p.H_q = z.H_q, p.H_kv = z.H_kv, p.T = z.T, p.N = z.N;
+  p.D = static_cast<int>(z.D);
+  p.group_size = static_cast<int>(group_size);
+  p.split_tokens = split_tokens;
+  p.num_sms = num_sms();
+  p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = x.stride(2);
+  p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_st = out.stride(2);
+  const int64_t ws_floats = kvk::decode_attention_workspace_floats(p);
+  at::Tensor ws;
+  if (ws_floats > 0) {
+    ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
+    p.workspace = ws.data_ptr<float>();
+    p.workspace_floats = ws_floats;
+  }
+  check_launch(op, kvk::launch_decode_attention_fused(p, current_stream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace kvk_cuda
 
@@ -646,4 +747,5 @@ TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("gemv_lattice_k", &kvk_cuda::gemv_lattice_k);
   m.impl("gemv_lattice_v", &kvk_cuda::gemv_lattice_v);
   m.impl("aqua_reconstruct", &kvk_cuda::aqua_reconstruct);
+  m.impl("decode_attention_fused", &kvk_cuda::decode_attention_fused);
 }

@@ -1,7 +1,8 @@
 // Runs the real CUDA launchers (csrc/cuda/*.cu, compiled for the host through emu.h) on random data and checks
 // every output against a double-precision dequantize-then-matmul reference written out here, independently of
 // the kernels. Modes: `iq` (gemv_inner_q), `kivi` (gemv_kivi), `q` (quantize_groups_into), `lattice`
-// (gemv_lattice_k / gemv_lattice_v against the double-precision spec formula), `aqua` (aqua_reconstruct), `all`
+// (gemv_lattice_k / gemv_lattice_v against the double-precision spec formula), `aqua` (aqua_reconstruct), `attn`
+// (decode_attention_fused against a double-precision softmax(x K^T + mask) V), `all`
 // (every one, the CI set), `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count;
 // minutes, manual).
 // Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K`; exits 1 on a failure.
@@ -12,6 +13,7 @@
 #include "kvkernels/lattice.cuh"
 #include <random>
 #include <cassert>
+#include <limits>
 using namespace kvk;
 extern "C" cudaError_t cudaGetLastError(void) { cudaError_t e = kvk_emu::last_err; kvk_emu::last_err = cudaSuccess; return e; }
 // Resident CTAs per SM for the launchers' wave planning: a fixed answer (KVK_EMU_OCC, default 2), so the cases'
@@ -561,6 +563,279 @@ void decode_cases() {
          pbad, hbad);
 }
 
+
+// ---- decode_attention_fused ----------------------------------------------------------------------------------------
+// softmax(x K^T + mask) V over sink | quantized store | tail (keys and values each; key store mk tokens, value store mv)
+// against double precision: keys/values dequantized in double ((s u + zeff) * key_x_scale), scores in double, the mask
+// added in fp32 as the reference does (so a finfo.min row is uniform), softmax and P V in double. Every tensor is a
+// strided view of a larger buffer (rows padded, stores narrowed from a larger capacity), the mask broadcast over the
+// batch (stride 0). Checked at (4e-6 + 1e-6 * max_j sum_c |x k|) * sum_j p_j |v_j| + 1e-7 per output (fp32 scores,
+// expf and accumulation order; the scores' error enters the probabilities relatively).
+// mask_kind: 0 causal (null), 1 additive with -inf entries, 2 additive with a row of all finfo.min.
+// expect != cudaSuccess: the launcher must refuse with a message and write nothing.
+struct AttnCase {
+  int64_t B = 2, H_q = 2, H_kv = 2, T = 1;
+  int D = 64, G = 32;
+  int64_t S = 0, mk = 64, mv = 64, ntk = 3;  // key tail ntk; value tail = mk + ntk - mv
+  int kbits = 2, vbits = 2;
+  QuantMode kmode = QuantMode::kSym, vmode = QuantMode::kSym;
+  StoreLayout klay = StoreLayout::kRows, vlay = StoreLayout::kCols;
+  bool xscale = false;
+  XDtype dt = XDtype::kF16;
+  int mask_kind = 0;
+  int64_t split_tokens = 0;
+  int num_sms = 4;
+  int64_t expect_splits = -1;  // >= 0: the plan must make this many splits
+  cudaError_t expect = cudaSuccess;
+};
+
+struct AttnStoreBuf {
+  std::unique_ptr<Buf<uint32_t>> codes;
+  std::unique_ptr<Buf<uint16_t>> sc, ze;
+  AttnStore st{};
+};
+
+// A store of m tokens: a view of a buffer with capacity m + 64 tokens (cols: row stride = the buffer's width).
+static AttnStoreBuf make_store(int64_t B, int64_t H, int D, int G, int64_t m, int bits, QuantMode mode, StoreLayout lay) {
+  AttnStoreBuf sb;
+  const int64_t cap = m + 64;
+  int64_t rows, c_sr, s_sr;
+  if (lay == StoreLayout::kRows) rows = cap, c_sr = D * bits / 32 + 3, s_sr = D / G + 1;
+  else rows = D, c_sr = cap * bits / 32 + 1, s_sr = cap / G + 2;
+  const int64_t c_sh = rows * c_sr + 1, s_sh = rows * s_sr + 2;
+  sb.codes = std::make_unique<Buf<uint32_t>>(B * H * c_sh + 1);
+  for (size_t i = 0; i < sb.codes->n; ++i) sb.codes->p[i] = static_cast<uint32_t>(rng());
+  sb.sc = std::make_unique<Buf<uint16_t>>(B * H * s_sh + 1);
+  sb.ze = std::make_unique<Buf<uint16_t>>(B * H * s_sh + 1);
+  for (size_t i = 0; i < sb.sc->n; ++i) {
+    uint16_t b = hbits(std::fabs(frand()) * 0.2f);
+    if (mode == QuantMode::kHybrid && (rng() & 1)) b |= 0x8000;
+    if (rng() % 19 == 0) b = mode == QuantMode::kHybrid ? 0x8000 : 0;
+    sb.sc->p[i] = b;
+  }
+  for (size_t i = 0; i < sb.ze->n; ++i) sb.ze->p[i] = hbits(frand());
+  AttnStore& st = sb.st;
+  st.codes = sb.codes->p + 1; st.scales = sb.sc->p + 1; st.zeros = mode == QuantMode::kSym ? nullptr : sb.ze->p + 1;
+  st.m = m; st.bits = bits; st.mode = mode; st.layout = lay;
+  st.c_sb = H * c_sh; st.c_sh = c_sh; st.c_sr = c_sr;
+  st.s_sb = H * s_sh; st.s_sh = s_sh; st.s_sr = s_sr;
+  st.z_sb = H * s_sh; st.z_sh = s_sh; st.z_sr = s_sr;
+  return sb;
+}
+
+// token j (0 .. m-1), channel c of a store, in double
+static double store_value(const AttnStore& st, int G, int64_t b, int64_t hk, int64_t j, int c) {
+  const bool rows = st.layout == StoreLayout::kRows;
+  const int64_t r = rows ? j : c, col = rows ? c : j;  // packed row and position along it
+  const uint32_t u = unpack_one_rt(st.codes + b * st.c_sb + hk * st.c_sh + r * st.c_sr + (col / 32) * st.bits, col % 32, st.bits);
+  const uint16_t sbits = st.scales[b * st.s_sb + hk * st.s_sh + r * st.s_sr + col / G];
+  const uint16_t zbits = st.zeros ? st.zeros[b * st.z_sb + hk * st.z_sh + r * st.z_sr + col / G] : 0;
+  const GroupAffine a = group_affine_rt(st.mode, st.bits, sbits, zbits);
+  return (double)a.s * u + a.zeff;
+}
+
+struct AttnWindowBuf {
+  std::vector<char> buf;
+  std::vector<float> exact;
+  AttnWindow w{};
+};
+
+// [B, H, n, D] of dtype dt with token stride D + 5, head stride n * (D + 5) + 7 (values in [-1, 1])
+static AttnWindowBuf make_window(int64_t B, int64_t H, int64_t n, int D, XDtype dt) {
+  AttnWindowBuf wb;
+  const int64_t st = D + 5, sh = n * st + 7, total = B * H * sh + 1;
+  wb.buf.assign(total * xsize(dt) + 16, 0);
+  wb.exact.assign(total, 0.f);
+  for (int64_t i = 0; i < total; ++i) store_x(wb.buf.data(), dt, i, frand(), wb.exact[i]);
+  wb.w.p = n ? wb.buf.data() + xsize(dt) : nullptr;  // element offset 1
+  wb.w.n = n; wb.w.sb = H * sh; wb.w.sh = sh; wb.w.st = st;
+  return wb;
+}
+
+void attn_case(const AttnCase& a) {
+  const int64_t B = a.B, H_q = a.H_q, H_kv = a.H_kv, T = a.T, S = a.S;
+  const int D = a.D, G = a.G;
+  const int64_t ntv = a.mk + a.ntk - a.mv, N = S + a.mk + a.ntk;
+  assert(ntv >= 0);
+  AttnWindowBuf sk = make_window(B, H_kv, S, D, a.dt), sv = make_window(B, H_kv, S, D, a.dt);
+  AttnWindowBuf tk = make_window(B, H_kv, a.ntk, D, a.dt), tv = make_window(B, H_kv, ntv, D, a.dt);
+  AttnStoreBuf ks = make_store(B, H_kv, D, G, a.mk, a.kbits, a.kmode, a.klay);
+  AttnStoreBuf vs = make_store(B, H_kv, D, G, a.mv, a.vbits, a.vmode, a.vlay);
+  const int64_t xs_sh = D + 3;
+  Buf<float> xsc(H_kv * xs_sh);
+  for (size_t i = 0; i < xsc.n; ++i) xsc.p[i] = 0.5f + std::fabs(frand());
+  const int64_t x_st = D + 4, x_sh = T * x_st + 4, x_sb = H_q * x_sh + 8;
+  Buf<float> x(B * x_sb);
+  for (size_t i = 0; i < x.n; ++i) x.p[i] = 0.4f * frand();
+  // mask [1 (broadcast), H_q, T, N] with row stride N + 2
+  const int64_t m_st = N + 2, m_sh = T * m_st;
+  Buf<float> mask(H_q * m_sh);
+  for (int64_t h = 0; h < H_q; ++h)
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = mask.p + h * m_sh + t * m_st;
+      const bool all_min = a.mask_kind == 2 && h == H_q - 1 && t == 0;
+      for (int64_t j = 0; j < N + 2; ++j) {
+        const int r = rng() % 4;
+        row[j] = all_min ? -std::numeric_limits<float>::max() : r == 0 ? -INFINITY : r == 1 ? -0.5f * std::fabs(frand()) : 0.f;
+      }
+      if (!all_min) row[rng() % N] = 0.f;  // at least one finite score per row
+    }
+  Buf<float> out(B * H_q * T * D);
+  for (size_t i = 0; i < out.n; ++i) out.p[i] = NAN;
+
+  DecodeAttentionParams p{};
+  p.x = x.p; p.sink_k = sk.w; p.sink_v = sv.w; p.tail_k = tk.w; p.tail_v = tv.w;
+  p.keys = ks.st; p.values = vs.st; p.window_dtype = a.dt;
+  p.key_x_scale = a.xscale ? xsc.p : nullptr;
+  p.mask = a.mask_kind ? mask.p : nullptr;
+  p.out = out.p;
+  p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.N = N; p.D = D; p.group_size = G;
+  p.split_tokens = a.split_tokens; p.num_sms = a.num_sms;
+  p.x_sb = x_sb; p.x_sh = x_sh; p.x_st = x_st; p.xs_sh = xs_sh;
+  p.m_sb = 0; p.m_sh = m_sh; p.m_st = m_st;
+  p.o_sb = H_q * T * D; p.o_sh = T * D; p.o_st = D;
+  const int64_t splits = decode_attention_num_splits(p);
+  const int64_t wsf = decode_attention_workspace_floats(p);
+  std::unique_ptr<Buf<float>> ws;
+  if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
+  const cudaError_t e = launch_decode_attention_fused(p, nullptr);
+  res.cases++;
+  char tag[256];
+  snprintf(tag, sizeof tag, "attn B%ld Hq%ld Hkv%ld T%ld D%d G%d S%ld mk%ld mv%ld nkt%ld k%d%c%c v%d%c%c xs%d dt%d mask%d split%ld sms%d",
+           B, H_q, H_kv, T, D, G, S, a.mk, a.mv, a.ntk, a.kbits, "sah"[(int)a.kmode], "rc"[(int)a.klay], a.vbits,
+           "sah"[(int)a.vmode], "rc"[(int)a.vlay], (int)a.xscale, (int)a.dt, a.mask_kind, (long)a.split_tokens, a.num_sms);
+  if (a.expect != cudaSuccess) {
+    long touched = 0;
+    for (size_t i = 0; i < out.n; ++i) touched += !std::isnan(out.p[i]);
+    const bool good = e == a.expect && last_launch_error()[0] != '\0' && touched == 0;
+    if (!good) res.fails++;
+    printf("%s: refused with \"%s\" : %s\n", tag, last_launch_error(), good ? "ok" : "FAIL");
+    return;
+  }
+  if (e != cudaSuccess) { printf("%s: launch error %d: %s\n", tag, (int)e, last_launch_error()); res.fails++; return; }
+  if (a.expect_splits >= 0 && splits != a.expect_splits) {
+    printf("%s: %ld splits planned, expected %ld\n", tag, (long)splits, (long)a.expect_splits);
+    res.fails++;
+    return;
+  }
+  // reference
+  const int64_t gq = H_q / H_kv;
+  std::vector<double> K(N * D), V(N * D), sc(N), pr(N);
+  int64_t bad = 0;
+  double worst = 0;  // largest error / bound
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hk = 0; hk < H_kv; ++hk) {
+      for (int64_t j = 0; j < N; ++j)
+        for (int c = 0; c < D; ++c) {
+          double k, v;
+          if (j < S) {
+            k = sk.exact[1 + b * sk.w.sb + hk * sk.w.sh + j * sk.w.st + c];
+            v = sv.exact[1 + b * sv.w.sb + hk * sv.w.sh + j * sv.w.st + c];
+          } else {
+            if (j < S + a.mk) k = store_value(ks.st, G, b, hk, j - S, c) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
+            else k = tk.exact[1 + b * tk.w.sb + hk * tk.w.sh + (j - S - a.mk) * tk.w.st + c];
+            if (j < S + a.mv) v = store_value(vs.st, G, b, hk, j - S, c);
+            else v = tv.exact[1 + b * tv.w.sb + hk * tv.w.sh + (j - S - a.mv) * tv.w.st + c];
+          }
+          K[j * D + c] = k, V[j * D + c] = v;
+        }
+      for (int64_t hh = 0; hh < gq; ++hh)
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t h = hk * gq + hh;
+          const float* xr = x.p + b * x_sb + h * x_sh + t * x_st;
+          double mx = -INFINITY, smag = 0;
+          for (int64_t j = 0; j < N; ++j) {
+            double s = 0, m = 0;
+            for (int c = 0; c < D; ++c) s += xr[c] * K[j * D + c], m += std::fabs(xr[c] * K[j * D + c]);
+            smag = std::max(smag, m);
+            if (a.mask_kind) s = (double)((float)s + mask.p[h * m_sh + t * m_st + j]);  // added in fp32, as torch
+            else if (j > N - T + t) s = -INFINITY;
+            sc[j] = s;
+            mx = std::max(mx, s);
+          }
+          double den = 0;
+          for (int64_t j = 0; j < N; ++j) den += pr[j] = sc[j] == -INFINITY ? 0.0 : std::exp(sc[j] - mx);
+          for (int c = 0; c < D; ++c) {
+            double want = 0, mag = 0;
+            for (int64_t j = 0; j < N; ++j) want += pr[j] * V[j * D + c], mag += pr[j] * std::fabs(V[j * D + c]);
+            want /= den, mag /= den;
+            const double got = out.p[b * p.o_sb + h * p.o_sh + t * p.o_st + c];
+            const double bound = (4e-6 + 1e-6 * smag) * mag + 1e-7;
+            worst = std::max(worst, std::fabs(got - want) / bound);
+            if (!(std::fabs(got - want) <= bound)) {
+              if (bad < 3) printf("  mismatch b%ld h%ld t%ld c%d got %.9g want %.9g bound %.3g\n", b, h, t, c, got, want, bound);
+              bad++;
+            }
+          }
+        }
+    }
+  if (bad) res.fails++;
+  printf("%s splits%ld : %s (bad %ld, worst error/bound %.3f)\n", tag, (long)splits, bad ? "FAIL" : "ok", bad, worst);
+}
+
+void attn_cases() {
+  using QM = QuantMode;
+  using SL = StoreLayout;
+  const XDtype dts[3] = {XDtype::kF16, XDtype::kBF16, XDtype::kF32};
+  const QM modes[3] = {QM::kSym, QM::kAsym, QM::kHybrid};
+  int i = 0;
+  // InnerQ (key rows / value cols): bits 1-4 with K != V, every mode, key_x_scale on/off, S 0/1/5, tails incl. 0,
+  // mk != mv both ways, split sizes 32 .. one split, T 1 / 3, GQA 1 / 3, D 64 / 128, G 32 / 64, every window dtype
+  for (int kb = 1; kb <= 4; ++kb) {
+    AttnCase a;
+    a.kbits = kb; a.vbits = 5 - kb; a.kmode = modes[kb % 3]; a.vmode = modes[(kb + 1) % 3];
+    a.klay = SL::kRows; a.vlay = SL::kCols; a.xscale = kb != 2; a.dt = dts[kb % 3];
+    { static const int64_t v[] = {0, 1, 5, 1}; a.S = v[kb - 1]; }
+    a.D = kb % 2 ? 64 : 128; a.G = kb == 4 ? 64 : 32;
+    a.mk = kb == 4 ? 128 : 96; a.mv = kb == 4 ? 64 : 64; { static const int64_t v[] = {0, 7, 5, 2}; a.ntk = v[kb - 1]; }
+    if (a.ntk + a.mk < a.mv) a.ntk = a.mv - a.mk;
+    a.T = kb % 2 ? 3 : 1; a.H_q = kb >= 3 ? 6 : 2; a.H_kv = 2;
+    { static const int64_t v[] = {32, 64, 0, 64}; a.split_tokens = v[kb - 1]; }
+    a.mask_kind = kb == 3 ? 1 : 0;
+    attn_case(a);
+  }
+  // value store longer than the key store (mv > mk), rows keys with a store tile cut by the tail mid-tile
+  { AttnCase a; a.mk = 37; a.mv = 96; a.ntk = 70; a.S = 1; a.kbits = 3; a.vbits = 1; a.kmode = QM::kHybrid;
+    a.vmode = QM::kAsym; a.xscale = true; a.split_tokens = 32; a.T = 3; a.H_q = 6; attn_case(a); }
+  // KIVI (key cols / value rows, asym): bits, splits, masks
+  for (int kb = 1; kb <= 4; ++kb) {
+    AttnCase a;
+    a.kbits = kb; a.vbits = (kb % 4) + 1; a.kmode = a.vmode = QM::kAsym; a.klay = SL::kCols; a.vlay = SL::kRows;
+    a.D = kb <= 2 ? 128 : 64; a.G = kb % 2 ? 32 : 64; a.S = kb == 2 ? 5 : kb == 3 ? 1 : 0;
+    a.mk = kb == 1 ? 128 : 64; a.mv = kb == 1 ? 100 : 64 + 3 * kb; a.ntk = kb == 1 ? 0 : 20 + 3 * kb;
+    a.T = kb % 2 ? 1 : 3; a.H_q = kb == 3 ? 6 : 2; a.dt = dts[(kb + 1) % 3];
+    { static const int64_t v[] = {32, 0, 64, 128}; a.split_tokens = v[kb - 1]; } a.mask_kind = kb == 4 ? 2 : kb == 2 ? 1 : 0;
+    attn_case(a);
+  }
+  // both rows / both cols
+  { AttnCase a; a.klay = a.vlay = SL::kRows; a.kmode = QM::kHybrid; a.vmode = QM::kSym; a.kbits = 4; a.vbits = 3;
+    a.S = 5; a.mk = 50; a.mv = 80; a.ntk = 33; a.split_tokens = 32; a.T = 3; a.H_q = 2; a.H_kv = 1; a.dt = XDtype::kF32;
+    a.xscale = true; attn_case(a); }
+  { AttnCase a; a.klay = a.vlay = SL::kCols; a.kmode = QM::kSym; a.vmode = QM::kHybrid; a.kbits = 1; a.vbits = 4;
+    a.S = 1; a.mk = 96; a.mv = 32; a.ntk = 9; a.split_tokens = 64; a.T = 1; a.H_q = 6; a.H_kv = 2; a.D = 128;
+    a.mask_kind = 1; attn_case(a); }
+  // chunk boundaries at every tile offset: split 32 .. 96 over the same cache, and the planned split at 1 / 64 SMs
+  for (int64_t sp : {32, 96, 0}) {
+    AttnCase a; a.S = 1; a.mk = 160; a.mv = 128; a.ntk = 40; a.kbits = 2; a.vbits = 4; a.kmode = QM::kHybrid;
+    a.vmode = QM::kAsym; a.xscale = true; a.split_tokens = sp; a.T = 3; a.H_q = 2; a.H_kv = 1; a.B = 1;
+    a.num_sms = sp == 0 ? 64 : 4; a.expect_splits = sp == 32 ? 7 : sp == 96 ? 3 : 1;  // 200 tokens < 2 * 256: one
+    attn_case(a);
+  }
+  { AttnCase a; a.B = 1; a.H_kv = 1; a.H_q = 1; a.S = 0; a.mk = 640; a.mv = 576; a.ntk = 5; a.num_sms = 8;
+    a.expect_splits = 3; attn_case(a); }  // planned: 645 tokens, 1 CTA < a wave of 16 -> 256-token splits
+  // more than 16 query rows per KV head: two row blocks (GQA 6 x T 3 = 18)
+  { AttnCase a; a.H_q = 6; a.H_kv = 1; a.B = 1; a.T = 3; a.mk = 64; a.mv = 32; a.ntk = 4; a.split_tokens = 32;
+    a.vbits = 3; a.mask_kind = 1; attn_case(a); }
+  // no store at all (window only), and T = N
+  { AttnCase a; a.mk = 0; a.mv = 0; a.ntk = 11; a.S = 1; a.T = 3; a.split_tokens = 32; attn_case(a); }
+  { AttnCase a; a.mk = 32; a.mv = 0; a.ntk = 0; a.S = 0; a.T = 32; a.H_q = 2; a.H_kv = 2; a.B = 1; attn_case(a); }
+  // refused: head_dim 96 and 256, split_tokens not a multiple of G
+  { AttnCase a; a.D = 96; a.expect = cudaErrorInvalidValue; attn_case(a); }
+  { AttnCase a; a.D = 256; a.expect = cudaErrorInvalidValue; attn_case(a); }
+  { AttnCase a; a.G = 64; a.split_tokens = 32; a.expect = cudaErrorInvalidValue; attn_case(a); }
+  (void)i;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string which = argc > 1 ? argv[1] : "all";
@@ -612,6 +887,7 @@ int main(int argc, char** argv) {
     quant_case(1, 1, 2, 2048, 3, 1024, QuantMode::kHybrid, 0.f, XDtype::kBF16);
   }
   if (which == "decode" || which == "all") decode_cases();
+  if (which == "attn" || which == "all") attn_cases();
   if (which == "lattice" || which == "all") {
     using LG = LatticeGrid;
     lattice_index_cases();

@@ -1,0 +1,514 @@
+// Fused decode attention over one layer's quantized KV cache (kvkernels/reference/attention.py is the spec):
+//   out[b, h, t, :] = softmax_j(x[b, h, t, :] . K[b, h_kv, j, :] + mask[b, h, t, j]) V[b, h_kv, j, :]
+// Keys and values are each sink | quantized store | tail in token order; the key store (mk tokens) and the value
+// store (mv tokens) cover different token ranges, so a token tile may mix quantized keys with window values.
+//
+// Split-KV, FlashDecoding style. Grid (B * H_kv * row blocks, splits). A CTA serves up to 16 query rows of one KV
+// head (the R = (H_q / H_kv) * T rows of the head, query head major; more rows tile over row blocks), so every
+// key and value it dequantizes serves all of them. Split 0 covers tokens [0, S + C) (the sink joins it), split
+// k >= 1 covers [S + kC, S + (k + 1) C), C = split_tokens or planned (a multiple of G). Inside a split the CTA walks
+// token tiles of 32: the sink in tiles of its own, then tiles aligned at S + 32i, so a "cols" store group (G tokens,
+// G a multiple of 32) never straddles a tile, and a tile is either wholly inside a cols store or wholly outside it.
+//
+// Per tile: (1) stage: every thread dequantizes 32-value units of the key and the value tile into shared memory as
+// fp32 (token-major [32][D + 4]): a "rows" unit is 32 channels of one token (sink, store or tail, chosen per token;
+// the general path that also serves tiles mixing store and tail tokens), a "cols" unit is the 32 tokens of one
+// channel (tiles wholly inside a cols store: one packed block, one scale / zero). Store keys are multiplied by
+// key_x_scale here. (2) scores: warp w owns rows w, w + 4, w + 8, w + 12 and lane j token j of the tile; fp32 dot
+// products from shared memory (float4, conflict-free: the row pitch D + 4 puts 8 consecutive tokens' 16-byte chunks
+// in distinct banks), the mask or the causal rule, then the online softmax of the row inside the warp (running max
+// m, sum l; a row whose scores are all -inf so far keeps m = -inf and contributes p = 0, never -inf - -inf).
+// (3) P.V: thread (channel c, rows) rescales its fp32 accumulators by exp(m_old - m_new) and adds sum_j p_j V[j, c].
+// A single split writes out = acc / l; several write (acc, m, l) per (row, split) to the workspace and
+// merge_splits_kernel combines them by log-sum-exp in split order (deterministic).
+//
+// Numerics: fp32 everywhere (scores, softmax, accumulation); dequantization s * u + zeff in fp32 (FMA), as
+// dequantize_groups. Expected error vs the fp64 reference ~1e-6 relative (fp32 accumulation order and expf).
+// Indexing: int64 for every global offset (row strides of the preallocated buffers may be large), int inside shared
+// memory.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kvkernels/gemv.cuh"
+
+namespace kvk {
+namespace {
+
+constexpr int kThreads = 128;             // 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 32;                 // tokens per tile
+constexpr int kRows = 16;                 // query rows per CTA
+constexpr int kRowsPerWarp = kRows / kWarps;
+constexpr int64_t kMinSplitTokens = 256;  // planned splits keep at least 8 tiles
+
+__host__ __device__ constexpr int tile_pitch(int D) { return D + 4; }
+
+// Shared memory (floats): key tile, value tile [kTile][D + 4]; queries [kRows][D]; probabilities [kRows][kTile];
+// per-row rescale factor, running max and sum [kRows] each.
+__host__ __device__ constexpr int smem_floats(int D) {
+  return 2 * kTile * tile_pitch(D) + kRows * D + kRows * kTile + 3 * kRows;
+}
+
+// One side (keys or values) of the CTA's (b, h_kv): windows and store resolved to that head.
+struct Side {
+  const char* sink;  // element (j, c) at sink + (j * sink_st + c) * elem
+  const char* tail;
+  int64_t sink_st, tail_st;
+  const uint32_t* codes;
+  const uint16_t* scales;
+  const uint16_t* zeros;  // nullptr: sym
+  int64_t c_sr, s_sr, z_sr;
+  int64_t m;
+  int bits;
+  QuantMode mode;
+  bool cols;
+  const float* xs;  // key_x_scale row of the head, or nullptr
+};
+
+// base + off, or nullptr for an absent (empty) tensor: no arithmetic on a null pointer
+template <typename T>
+__device__ __forceinline__ const T* at_offset(const T* base, int64_t off) {
+  return base != nullptr ? base + off : nullptr;
+}
+
+__device__ __forceinline__ Side resolve(const AttnWindow& sink, const AttnWindow& tail, const AttnStore& st,
+                                        XDtype dt, int64_t b, int64_t hk, const float* xs) {
+  const int64_t esz = dt == XDtype::kF32 ? 4 : 2;
+  Side s;
+  s.sink = at_offset(static_cast<const char*>(sink.p), (b * sink.sb + hk * sink.sh) * esz);
+  s.tail = at_offset(static_cast<const char*>(tail.p), (b * tail.sb + hk * tail.sh) * esz);
+  s.sink_st = sink.st;
+  s.tail_st = tail.st;
+  s.codes = at_offset(st.codes, b * st.c_sb + hk * st.c_sh);
+  s.scales = at_offset(st.scales, b * st.s_sb + hk * st.s_sh);
+  s.zeros = at_offset(st.zeros, b * st.z_sb + hk * st.z_sh);
+  s.c_sr = st.c_sr;
+  s.s_sr = st.s_sr;
+  s.z_sr = st.z_sr;
+  s.m = st.m;
+  s.bits = st.bits;
+  s.mode = st.mode;
+  s.cols = st.layout == StoreLayout::kCols;
+  s.xs = xs;
+  return s;
+}
+
+// 32 codes of one packed block (BITS words at `blk`), dequantized: v[i] = s * u_i + zeff.
+template <int BITS>
+__device__ __forceinline__ void dequant_block(const uint32_t* __restrict__ blk, GroupAffine a, float (&v)[32]) {
+  uint32_t w[BITS];
+#pragma unroll
+  for (int k = 0; k < BITS; ++k) w[k] = __ldg(blk + k);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) v[i] = fmaf(a.s, static_cast<float>(unpack_one<BITS>(w, i)), a.zeff);
+}
+
+__device__ __forceinline__ void dequant_block_rt(int bits, const uint32_t* blk, GroupAffine a, float (&v)[32]) {
+  switch (bits) {
+    case 1: dequant_block<1>(blk, a, v); break;
+    case 2: dequant_block<2>(blk, a, v); break;
+    case 3: dequant_block<3>(blk, a, v); break;
+    default: dequant_block<4>(blk, a, v); break;
+  }
+}
+
+__device__ __forceinline__ GroupAffine affine_of(const Side& sd, int64_t srow, int64_t zrow, int64_t g) {
+  const uint16_t sb = __ldg(sd.scales + srow + g);
+  const uint16_t zb = sd.zeros != nullptr ? __ldg(sd.zeros + zrow + g) : uint16_t{0};
+  return group_affine_rt(sd.mode, sd.bits, sb, zb);
+}
+
+// Token unit: channels [32 cb, 32 cb + 32) of token j (tile row jj; valid = jj < n) into tile row jj.
+template <int D>
+__device__ __forceinline__ void stage_token_unit(const Side& sd, XDtype dt, int64_t S, int G, int64_t j, bool valid,
+                                                 int cb, float* __restrict__ row) {
+  float v[32];
+  const int c0 = 32 * cb;
+  if (!valid) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = 0.f;
+  } else if (j < S || j >= S + sd.m) {  // window token: sink or tail
+    const bool sink = j < S;
+    const char* base = sink ? sd.sink : sd.tail;
+    const int64_t off = (sink ? j * sd.sink_st : (j - S - sd.m) * sd.tail_st) + c0;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = load_x(base, dt, off + i);
+  } else {  // "rows" store token: one packed block, one group
+    const int64_t r = j - S;
+    const GroupAffine a = affine_of(sd, r * sd.s_sr, r * sd.z_sr, c0 / G);
+    dequant_block_rt(sd.bits, sd.codes + r * sd.c_sr + static_cast<int64_t>(cb) * sd.bits, a, v);
+    if (sd.xs != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] *= __ldg(sd.xs + c0 + i);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(row + c0 + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+}
+
+// Channel unit of a tile wholly inside a "cols" store: tokens [j0, j0 + 32) of channel c (store column j0 - S, a
+// multiple of 32, inside one group of G); tile rows >= n get zeros.
+template <int D>
+__device__ __forceinline__ void stage_channel_unit(const Side& sd, int64_t col0, int G, int n, int c,
+                                                   float* __restrict__ tile) {
+  float v[32];
+  const GroupAffine a = affine_of(sd, c * sd.s_sr, c * sd.z_sr, col0 / G);
+  dequant_block_rt(sd.bits, sd.codes + c * sd.c_sr + (col0 / 32) * sd.bits, a, v);
+  const float xs = sd.xs != nullptr ? __ldg(sd.xs + c) : 1.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) tile[i * tile_pitch(D) + c] = i < n ? v[i] * xs : 0.f;
+}
+
+// Unit w (0 .. D-1) of a tile: a channel unit when the tile lies in a "cols" store, else a token unit (token
+// w % 32, channels of block w / 32). The side is passed by value, never selected by reference (that would put
+// both sides in local memory).
+template <int D>
+__device__ __forceinline__ void stage_unit(const Side& sd, XDtype dt, int64_t S, int G, int64_t j0, int n, int w,
+                                           float* __restrict__ tile) {
+  if (sd.cols && j0 >= S && j0 < S + sd.m) {
+    stage_channel_unit<D>(sd, j0 - S, G, n, w, tile);
+  } else {
+    const int jj = w % kTile, cb = w / kTile;
+    stage_token_unit<D>(sd, dt, S, G, j0 + jj, jj < n, cb, tile + jj * tile_pitch(D));
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+struct AttnLaunch {
+  int64_t C;         // tokens per split past the sink
+  int num_splits;
+  int row_blocks;    // CTAs per (b, h_kv) along the R = gq * T query rows
+  int gq;            // query heads per KV head
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
+  extern __shared__ __align__(16) float smem[];
+  constexpr int P = tile_pitch(D);
+  float* const ks = smem;                  // [kTile][P]
+  float* const vs = ks + kTile * P;        // [kTile][P]
+  float* const xq = vs + kTile * P;        // [kRows][D]
+  float* const ps = xq + kRows * D;        // [kRows][kTile]
+  float* const alpha_s = ps + kRows * kTile;
+  float* const m_s = alpha_s + kRows;
+  float* const l_s = m_s + kRows;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rb = static_cast<int>(blockIdx.x % static_cast<unsigned>(L.row_blocks));
+  const int64_t bh = blockIdx.x / static_cast<unsigned>(L.row_blocks);
+  const int64_t b = bh / p.H_kv, hk = bh % p.H_kv;
+  const int split = blockIdx.y;
+  const int64_t T = p.T, N = p.N, S = p.sink_k.n;
+  const int R = L.gq * static_cast<int>(T);
+  const int r0 = rb * kRows, nr = min(kRows, R - r0);
+  const int G = p.group_size;
+
+  const Side sk = resolve(p.sink_k, p.tail_k, p.keys, p.window_dtype, b, hk,
+                          p.key_x_scale != nullptr ? p.key_x_scale + hk * p.xs_sh : nullptr);
+  const Side sv = resolve(p.sink_v, p.tail_v, p.values, p.window_dtype, b, hk, nullptr);
+
+  // token range of the split
+  const int64_t lo = split == 0 ? 0 : S + split * L.C;
+  const int64_t hi = min(N, S + (split + 1) * L.C);
+
+  // queries of the CTA's rows (zeros past nr)
+  for (int i = tid; i < kRows * D; i += kThreads) {
+    const int r = i / D, c = i % D;
+    float v = 0.f;
+    if (r < nr) {
+      const int q = r0 + r;
+      const int64_t h = hk * L.gq + q / T, t = q % T;
+      v = __ldg(p.x + b * p.x_sb + h * p.x_sh + t * p.x_st + c);
+    }
+    xq[i] = v;
+  }
+
+  // the warp's score rows: mask row pointers (or causal limits), running max and sum
+  const float* mrow[kRowsPerWarp];
+  int64_t limit[kRowsPerWarp];
+  float m_run[kRowsPerWarp], l_run[kRowsPerWarp];
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int r = warp + kWarps * k, q = r0 + min(r, nr - 1);
+    const int64_t h = hk * L.gq + q / T, t = q % T;
+    mrow[k] = p.mask != nullptr ? p.mask + b * p.m_sb + h * p.m_sh + t * p.m_st : nullptr;
+    limit[k] = N - T + t;
+    m_run[k] = -INFINITY;
+    l_run[k] = 0.f;
+  }
+
+  // the thread's output slots: channel c, rows rsub + kTpc * k
+  constexpr int kTpc = kThreads / D;  // threads per channel (1 or 2)
+  constexpr int kOut = kRows / kTpc;  // rows per thread
+  const int c_own = tid % D, rsub = tid / D;
+  float acc[kOut];
+#pragma unroll
+  for (int k = 0; k < kOut; ++k) acc[k] = 0.f;
+
+  for (int64_t j0 = lo; j0 < hi;) {
+    const int64_t j1 = j0 < S ? min(S, j0 + kTile) : min(hi, j0 + kTile);
+    const int n = static_cast<int>(j1 - j0);
+    // (1) stage keys (units 0 .. D-1) and values (units D .. 2D-1); warp-uniform side
+    for (int u = tid; u < 2 * D; u += kThreads) {
+      if (u < D)
+        stage_unit<D>(sk, p.window_dtype, S, G, j0, n, u, ks);
+      else
+        stage_unit<D>(sv, p.window_dtype, S, G, j0, n, u - D, vs);
+    }
+    __syncthreads();
+    // (2) scores and the online softmax of the warp's rows
+    {
+      float s[kRowsPerWarp];
+#pragma unroll
+      for (int k = 0; k < kRowsPerWarp; ++k) s[k] = 0.f;
+      const float* kr = ks + lane * P;
+#pragma unroll 4
+      for (int c = 0; c < D; c += 4) {
+        const float4 kv = *reinterpret_cast<const float4*>(kr + c);
+#pragma unroll
+        for (int k = 0; k < kRowsPerWarp; ++k) {
+          const float4 xv = *reinterpret_cast<const float4*>(xq + (warp + kWarps * k) * D + c);
+          s[k] = fmaf(xv.x, kv.x, s[k]);
+          s[k] = fmaf(xv.y, kv.y, s[k]);
+          s[k] = fmaf(xv.z, kv.z, s[k]);
+          s[k] = fmaf(xv.w, kv.w, s[k]);
+        }
+      }
+      const int64_t j = j0 + lane;
+#pragma unroll
+      for (int k = 0; k < kRowsPerWarp; ++k) {
+        const int r = warp + kWarps * k;
+        float sc = -INFINITY;
+        if (lane < n && r < nr) {
+          if (mrow[k] != nullptr)
+            sc = s[k] + __ldg(mrow[k] + j);
+          else if (j <= limit[k])
+            sc = s[k];
+        }
+        const float m_new = fmaxf(m_run[k], warp_max(sc));
+        float alpha = 1.f, pj = 0.f;
+        if (m_new != -INFINITY) {  // else nothing seen yet: keep m = -inf, l = 0, acc = 0
+          alpha = expf(m_run[k] - m_new);
+          pj = expf(sc - m_new);
+        }
+        l_run[k] = fmaf(l_run[k], alpha, warp_sum(pj));
+        m_run[k] = m_new;
+        ps[r * kTile + lane] = pj;
+        if (lane == 0) alpha_s[r] = alpha;
+      }
+    }
+    __syncthreads();
+    // (3) acc = acc * alpha + P V
+    {
+      float v[kTile];
+#pragma unroll
+      for (int jj = 0; jj < kTile; ++jj) v[jj] = vs[jj * P + c_own];
+#pragma unroll
+      for (int k = 0; k < kOut; ++k) {
+        const int r = rsub + kTpc * k;
+        float a = acc[k] * alpha_s[r];
+#pragma unroll
+        for (int jj = 0; jj < kTile; jj += 4) {
+          const float4 pp = *reinterpret_cast<const float4*>(ps + r * kTile + jj);
+          a = fmaf(pp.x, v[jj], a);
+          a = fmaf(pp.y, v[jj + 1], a);
+          a = fmaf(pp.z, v[jj + 2], a);
+          a = fmaf(pp.w, v[jj + 3], a);
+        }
+        acc[k] = a;
+      }
+    }
+    __syncthreads();
+    j0 = j1;
+  }
+
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      m_s[warp + kWarps * k] = m_run[k];
+      l_s[warp + kWarps * k] = l_run[k];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kOut; ++k) {
+    const int r = rsub + kTpc * k;
+    if (r >= nr) continue;
+    const int q = r0 + r;
+    const int64_t h = hk * L.gq + q / T, t = q % T;
+    if (L.num_splits == 1) {
+      p.out[b * p.o_sb + h * p.o_sh + t * p.o_st + c_own] = acc[k] / l_s[r];
+    } else {
+      float* w = p.workspace + ((static_cast<int64_t>(split) * p.B + b) * p.H_q * T + h * T + t) * (D + 2);
+      w[c_own] = acc[k];
+      if (c_own == 0) {
+        w[D] = m_s[r];
+        w[D + 1] = l_s[r];
+      }
+    }
+  }
+}
+
+// Log-sum-exp merge of the splits' partials, in split order: one CTA per output row (b, h, t), one thread per
+// channel. A split whose row saw only -inf scores (m = -inf, l = 0) weighs 0.
+__global__ void merge_splits_kernel(const float* __restrict__ ws, int splits, int64_t rows, int D, int H_q, int T,
+                                    float* __restrict__ out, int64_t o_sb, int64_t o_sh, int64_t o_st) {
+  const int64_t q = blockIdx.x;  // (b * H_q + h) * T + t
+  const int c = threadIdx.x;
+  const int64_t t = q % T, h = (q / T) % H_q, b = q / (static_cast<int64_t>(T) * H_q);
+  const int64_t stride = rows * (D + 2);
+  const float* w = ws + q * (D + 2);
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, w[s * stride + D]);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = w[s * stride + D];
+    if (ms == -INFINITY) continue;
+    const float e = expf(ms - mx);
+    num = fmaf(e, w[s * stride + c], num);
+    den = fmaf(e, w[s * stride + D + 1], den);
+  }
+  out[b * o_sb + h * o_sh + t * o_st + c] = num / den;
+}
+
+using AttnKernel = void (*)(const DecodeAttentionParams, const AttnLaunch);
+
+struct AttnPlan {
+  AttnKernel fn = nullptr;
+  AttnLaunch launch{};
+  int smem_bytes = 0;
+  int64_t workspace_floats = 0;
+  const char* error = nullptr;
+};
+
+// Validates the params (sets the launch error) and plans the launch; a pure function of the params and the
+// device's occupancy, shared with the binding's workspace sizing.
+AttnPlan plan_attention(const DecodeAttentionParams& p) {
+  AttnPlan pl{};
+  switch (p.D) {
+    case 64: pl.fn = decode_attention_kernel<64>; break;
+    case 128: pl.fn = decode_attention_kernel<128>; break;
+    default: pl.error = "unsupported head_dim (supported: 64, 128)"; return pl;
+  }
+  pl.smem_bytes = smem_floats(p.D) * static_cast<int>(sizeof(float));
+  const int G = p.group_size;
+  const int64_t S = p.sink_k.n;
+  if (p.B < 1 || p.H_kv < 1 || p.H_q % p.H_kv != 0 || p.T < 1 || p.T > p.N || G <= 0 || G % 32 != 0) {
+    pl.error = "inconsistent sizes";
+    return pl;
+  }
+  if (p.sink_v.n != S || S + p.keys.m + p.tail_k.n != p.N || S + p.values.m + p.tail_v.n != p.N) {
+    pl.error = "sink / store / tail token counts do not add up to N for keys and values";
+    return pl;
+  }
+  for (const AttnStore* st : {&p.keys, &p.values}) {
+    if (!is_supported_bits(st->bits)) { pl.error = "unsupported bits (supported: 1, 2, 3, 4)"; return pl; }
+    if (st->mode != QuantMode::kSym && st->mode != QuantMode::kAsym && st->mode != QuantMode::kHybrid) {
+      pl.error = "unsupported quant mode";
+      return pl;
+    }
+    if (st->mode != QuantMode::kSym && st->zeros == nullptr && st->m > 0) {
+      pl.error = "asym and hybrid stores need zeros";
+      return pl;
+    }
+    if (st->layout == StoreLayout::kRows ? p.D % G != 0 : st->m % G != 0) {
+      pl.error = "group_size must divide head_dim (rows layout) or the store's tokens (cols layout)";
+      return pl;
+    }
+  }
+  if (p.split_tokens < 0 || p.split_tokens % G != 0) {
+    pl.error = "split_tokens must be 0 or a positive multiple of group_size";
+    return pl;
+  }
+  const int64_t gq = p.H_q / p.H_kv, R = gq * p.T;
+  if (R > 0x7fffffff / kRows || p.T > 0x7fffffff) {
+    pl.error = "too many query rows per KV head";
+    return pl;
+  }
+  pl.launch.gq = static_cast<int>(gq);
+  pl.launch.row_blocks = static_cast<int>(ceil_div(R, kRows));
+  const int64_t ctas = p.B * p.H_kv * pl.launch.row_blocks;
+  const int64_t tokens = p.N - S;  // past the sink
+  int64_t C = p.split_tokens;
+  if (C == 0) {
+    int occ = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), kThreads,
+                                                      pl.smem_bytes) != cudaSuccess ||
+        occ < 1)
+      occ = 1;
+    (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
+    const int64_t wave = static_cast<int64_t>(occ) * std::max(p.num_sms, 1);
+    C = round_up(std::max<int64_t>(tokens, 1), G);  // one split
+    if (ctas < wave && tokens >= 2 * kMinSplitTokens) {
+      const int64_t want = ceil_div(wave, ctas);
+      C = std::min(C, round_up(std::max(ceil_div(tokens, want), kMinSplitTokens), G));
+    }
+  }
+  int64_t splits = std::max<int64_t>(1, ceil_div(tokens, C));
+  while (splits > 65535) {  // a tiny explicit split_tokens on a long cache: coarser splits (rounding only)
+    C *= 2;
+    splits = std::max<int64_t>(1, ceil_div(tokens, C));
+  }
+  pl.launch.C = C;
+  pl.launch.num_splits = static_cast<int>(splits);
+  if (ctas > 0x7fffffff) {
+    pl.error = "grid too large";
+    return pl;
+  }
+  const int64_t rows = p.B * p.H_q * p.T;
+  pl.workspace_floats = splits > 1 ? splits * rows * (p.D + 2) : 0;
+  if (splits > 1 && rows > 0x7fffffff) pl.error = "too many output rows for the merge grid";
+  return pl;
+}
+
+}  // namespace
+
+int64_t decode_attention_workspace_floats(const DecodeAttentionParams& p) {
+  const AttnPlan pl = plan_attention(p);
+  return pl.error != nullptr ? 0 : pl.workspace_floats;
+}
+
+int64_t decode_attention_num_splits(const DecodeAttentionParams& p) {
+  const AttnPlan pl = plan_attention(p);
+  return pl.error != nullptr ? 0 : pl.launch.num_splits;
+}
+
+cudaError_t launch_decode_attention_fused(const DecodeAttentionParams& p, cudaStream_t stream) {
+  clear_launch_error();
+  if (p.B * p.H_q * p.T == 0) return cudaSuccess;
+  const AttnPlan pl = plan_attention(p);
+  if (pl.error != nullptr) {
+    set_launch_error("decode_attention_fused: %s (B=%lld H_q=%lld H_kv=%lld T=%lld N=%lld D=%d G=%d "
+                     "split_tokens=%lld)", pl.error, (long long)p.B, (long long)p.H_q, (long long)p.H_kv,
+                     (long long)p.T, (long long)p.N, p.D, p.group_size, (long long)p.split_tokens);
+    return cudaErrorInvalidValue;
+  }
+  if (pl.workspace_floats > 0 && (p.workspace == nullptr || p.workspace_floats < pl.workspace_floats)) {
+    set_launch_error("decode_attention_fused: workspace of %lld floats given, %lld needed",
+                     (long long)p.workspace_floats, (long long)pl.workspace_floats);
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(p.B * p.H_kv * pl.launch.row_blocks),
+                  static_cast<unsigned>(pl.launch.num_splits));
+  const AttnKernel fn = pl.fn;
+  const AttnLaunch L = pl.launch;
+  fn<<<grid, kThreads, pl.smem_bytes, stream>>>(p, L);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (pl.launch.num_splits > 1) {
+    const int64_t rows = p.B * p.H_q * p.T;
+    merge_splits_kernel<<<static_cast<unsigned>(rows), p.D, 0, stream>>>(
+        p.workspace, pl.launch.num_splits, rows, p.D, static_cast<int>(p.H_q), static_cast<int>(p.T), p.out,
+        p.o_sb, p.o_sh, p.o_st);
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+}  // namespace kvk
