@@ -187,8 +187,9 @@ struct AttnLaunch {
   int gq;            // query heads per KV head
 };
 
+// min blocks 1: with only the thread count, ptxas caps D = 64 at 128 registers and spills (CI fails on spills)
 template <int D>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
   extern __shared__ __align__(16) float smem[];
   constexpr int P = tile_pitch(D);
   float* const ks = smem;                  // [kTile][P]
