@@ -190,7 +190,8 @@ inline int64_t check_dequantize(const at::Tensor& codes, const at::Tensor& scale
   return L;
 }
 
-// ---- decode_attention_fused (kvkernels/_validate.py check_decode_attention_fused; same order, same messages) ----
+// ---- decode_attention_fused (kvkernels/_validate.py check_decode_attention_fused; same messages, but an
+// input with several faults may be named by a different one first) ----
 
 struct AttentionSizes {
   int64_t B, H_q, H_kv, T, D, S, mk, mv, n_kt, n_vt, N;

@@ -24,7 +24,8 @@ fused_attention_operands: InnerQ, KIVI, XQuant), ops.decode_attention_fused comp
 one split-KV pass with a log-sum-exp merge, and the scores never round-trip through memory. Which path runs:
 the `fused_op` argument, else the environment variable KVKERNELS_ATTENTION ("fused", "composed", "auto"); auto (the
 default) fuses on CUDA tensors and composes on CPU, where the op's kernel is the reference (the same work). Caches
-that cannot be fused always compose (use_fused_op).
+that cannot be fused, and head dims the serving kernel does not take (the CUDA kernel: 64, 128), compose
+(use_fused_op).
 """
 
 import os
@@ -71,7 +72,7 @@ def _additive_mask(attn_mask: torch.Tensor | None, B: int, H_q: int, T: int, N: 
         return None
     _check_mask(attn_mask, B, H_q, T, N)
     if attn_mask.dtype == torch.bool:
-        mask = torch.zeros(attn_mask.shape, device=attn_mask.device).masked_fill(
+        mask = torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device).masked_fill(
             ~attn_mask, torch.finfo(torch.float32).min
         )
     else:
@@ -105,25 +106,29 @@ def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, batch: int, seq_
         raise ValueError(f"q has T={T} rows but the cache holds {seq_len} tokens; append the new tokens first")
 
 
-def use_fused_op(q: torch.Tensor, operands: dict | None, fused_op: bool | None = None) -> bool:
-    """Whether decode_attention takes the one-op path for these operands (None: the cache cannot be fused).
+def use_fused_op(q: torch.Tensor, cache, fused_op: bool | None = None) -> dict | None:
+    """The decode_attention_fused operands of cache when decode_attention should take the one-op path, else None.
 
     fused_op True / False decides (True on a cache that cannot be fused is a ValueError). None reads
     KVKERNELS_ATTENTION: "composed" never fuses, "fused" fuses every cache that can be, "auto" (default) those on
-    CUDA."""
-    if fused_op is not None:
-        if fused_op and operands is None:
-            raise ValueError(
-                "fused_op=True, but this cache's format attends its own way (its layer cache overrides an attention "
-                "hook, or reads its stores with another op); use fused_op=None or False"
-            )
-        return bool(fused_op)
-    policy = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if policy not in _POLICIES:
-        raise ValueError(f"{ATTENTION_ENV}={policy!r}: must be one of {_POLICIES}")
-    if policy == "composed" or operands is None:
-        return False
-    return policy == "fused" or q.is_cuda
+    CUDA. Neither fuses a head_dim the kernel serving q's device does not take (ops.fused_attention_takes)."""
+    if fused_op is None:
+        policy = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+        if policy not in _POLICIES:
+            raise ValueError(f"{ATTENTION_ENV}={policy!r}: must be one of {_POLICIES}")
+        if policy == "composed" or (policy == "auto" and not q.is_cuda):
+            return None
+        if not ops.fused_attention_takes(q.device, q.shape[-1]):
+            return None
+    elif not fused_op:
+        return None
+    operands = cache.fused_attention_operands() if hasattr(cache, "fused_attention_operands") else None
+    if operands is None and fused_op:
+        raise ValueError(
+            "fused_op=True, but this cache's format attends its own way (its layer cache overrides an attention "
+            "hook, or reads its stores with another op); use fused_op=None or False"
+        )
+    return operands
 
 
 def decode_attention(
@@ -151,8 +156,8 @@ def decode_attention(
     scale = D**-0.5 if scale is None else float(scale)
     x = q.to(torch.float32) * scale  # [B, H_q, T, D]
 
-    operands = cache.fused_attention_operands() if hasattr(cache, "fused_attention_operands") else None
-    if use_fused_op(q, operands, fused_op):
+    operands = use_fused_op(q, cache, fused_op)
+    if operands is not None:
         mask = _additive_mask(attn_mask, B, H_q, T, N)
         return ops.decode_attention_fused(x, **operands, attn_mask=mask).to(q.dtype)
 

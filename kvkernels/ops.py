@@ -87,6 +87,17 @@ def _triton_impl(op: str):
 
 # Which implementation serves CUDA tensors, per op (for kvkernels.backends() and tests).
 CUDA_IMPL: dict[str, str] = {}
+# head_dim values the compiled CUDA decode_attention_fused is built for (csrc/cuda/decode_attention.cu)
+CUDA_ATTENTION_HEAD_DIMS = (64, 128)
+
+
+def fused_attention_takes(device: torch.device, head_dim: int) -> bool:
+    """Whether the decode_attention_fused kernel that serves `device` takes this head_dim: the compiled CUDA kernel
+    is instantiated for CUDA_ATTENTION_HEAD_DIMS; Triton and the reference take any (decode_attention composes
+    where the op would refuse)."""
+    if device.type == "cuda" and CUDA_IMPL.get("decode_attention_fused") == "cuda":
+        return head_dim in CUDA_ATTENTION_HEAD_DIMS
+    return True
 
 
 def _register() -> None:

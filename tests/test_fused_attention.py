@@ -208,3 +208,48 @@ def test_compiles_with_the_fake():
         return torch.ops.kvkernels.decode_attention_fused(x * 1.0, **kw)
 
     torch.testing.assert_close(step(x), reference.decode_attention_fused(x, **kw))
+
+
+def test_head_dims_the_serving_kernel_refuses_compose(monkeypatch):
+    # the compiled CUDA kernel takes head_dim 64 / 128 only: the default must compose elsewhere, not raise
+    c = _filled("kivi2", N=60, prefill=60)
+    q = _q(2, 4, 1, 64)
+    monkeypatch.setenv(attention.ATTENTION_ENV, "fused")
+    calls = []
+    real = ops.decode_attention_fused
+    monkeypatch.setattr(ops, "decode_attention_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ops, "fused_attention_takes", lambda device, head_dim: False)
+    c.attention(q)
+    assert calls == []
+    c.attention(q, fused_op=True)  # asked for explicitly: the op runs (and would raise where it cannot)
+    assert calls == [1]
+
+
+def test_bool_mask_under_another_default_dtype():
+    c = _filled("innerq_base", N=80, prefill=80)
+    q = _q(2, 4, 2, 64)
+    mask = torch.rand(2, 1, 2, c.seq_len, generator=torch.Generator().manual_seed(5)) > 0.5
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = c.attention(q, attn_mask=mask, fused_op=True)
+    finally:
+        torch.set_default_dtype(old)
+    torch.testing.assert_close(got, c.attention(q, attn_mask=mask, fused_op=False), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
+def test_cuda_default_path_equals_composed(preset, D):
+    # end to end on the GPU: the default (fused where the serving kernel takes D, composed elsewhere), bool and float
+    # masks through _additive_mask, against the composed path on the same cache
+    g = torch.Generator().manual_seed(11)
+    c = make_layer_cache(PRESETS[preset], 2, 2, D, capacity=64, device="cuda", dtype=torch.float16)
+    k, v = torch.randn(2, 2, 300, D, generator=g), torch.randn(2, 2, 300, D, generator=g)
+    c.prefill(k.half().cuda(), v.half().cuda())
+    q = torch.randn(2, 6, 3, D, generator=g).half().cuda()
+    mask = torch.rand(2, 1, 3, c.seq_len, generator=g).cuda() > 0.3
+    for m in (None, mask):
+        want = c.attention(q, attn_mask=m, fused_op=False).float()
+        torch.testing.assert_close(c.attention(q, attn_mask=m).float(), want, rtol=2e-3, atol=2e-3)

@@ -315,6 +315,9 @@ def tile_tokens(group_size: int, head_dim: int) -> int:
     return 64 if group_size % 64 == 0 and head_dim <= 64 else 32
 
 
+MAX_SPLITS = 65535  # CUDA's limit on grid dimension 1 (the CUDA launcher doubles C the same way)
+
+
 def plan_split_tokens(rest: int, group_size: int, bn: int, base_programs: int, device: torch.device) -> int:
     """Tokens per split after the sink (split_tokens=0): enough splits to give the GPU a few programs per SM,
     never fewer than MIN_ITERS_PER_SPLIT tiles per split; a multiple of G. The interpreter plans as for one base
@@ -371,6 +374,8 @@ def decode_attention_fused(
     bn = tile_tokens(group_size, dp)
     rest = N - S
     per_split = split_tokens or plan_split_tokens(rest, group_size, bn, B * H_kv * n_rb, x.device)
+    while triton.cdiv(rest, per_split) > MAX_SPLITS:  # grid dim 1's limit: a caller's tiny split_tokens at 2M tokens
+        per_split *= 2
     splits = max(1, triton.cdiv(rest, per_split))
     n_rows = B * H_q * T
 
