@@ -134,3 +134,44 @@ def test_aqua_roofline_arithmetic():
     m = sb.aqua_roofline(rows, 128, 1024, 1024)
     assert (m["wm"], m["ctas"], m["active_sms"], m["warps_per_sm"]) == (1, 32, 32, 2)
     assert abs(m["pct_peak"] - 100 * 32 / 132 / 2) < 0.1
+
+
+def test_attention_tile_bytes_and_shared_memory():
+    # innerq_base at head_dim 128: 32 tokens x 128 channels x 3 bits + one fp16 scale per 32 values, keys and values
+    keys, values = sb.ATTN_PRESETS["innerq_base"]
+    assert keys.tile_bytes(128) + values.tile_bytes(128) == 2 * (32 * 128 * 3 / 8 + 2 * 128)
+    keys, values = sb.ATTN_PRESETS["kivi2"]  # 2 bits, scale + zero
+    assert keys.tile_bytes(64) == 32 * 64 * 2 / 8 + 4 * 64
+    # key and value tiles [32][D + 4], queries [16][D], probabilities [16][32], 3 x 16 row floats (smem_floats)
+    assert sb.attention_smem_bytes(128) == 4 * (2 * 32 * 132 + 16 * 128 + 16 * 32 + 48)
+
+
+def test_attention_markers_match_the_kernel_source():
+    # the tile-class walk keys on source lines of csrc/cuda/decode_attention.cu: each pattern must still be there
+    mk = sb.attention_markers(ROOT / "csrc" / "cuda" / sb.ATTN_SOURCE, ROOT / "csrc" / "kvkernels" / "quant.cuh")
+    assert mk["keys"][1] < mk["values"][1]
+    assert set(mk["cases"]) == {1, 2, 3, 4} and len(mk["score_fma"]) == 4
+    assert len(mk["shared_calls"]) == 4 and mk["not_store"] and mk["hybrid"]
+
+
+LINED = """
+        .text._Z1kv:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_1:
+        //## File "/x/k.cu", line 5
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+        /*0020*/               @P0 CALL.REL.NOINC `(.L_x_2) ;
+        /*0030*/                   BRA `(.L_x_1) ;
+.L_x_2:
+        //## File "/x/k.cu", line 7
+        /*0040*/                   EXIT ;
+"""
+
+
+def test_lined_sass_blocks_treat_a_local_call_as_a_loop_exit():
+    (k,) = sb.parse_lined_sass(LINED, "90")
+    assert k.chains[0x10] == (("k.cu", 5),) and k.labels == {".L_x_1": 0x10, ".L_x_2": 0x40}
+    assert [(lp.start, lp.end) for lp in sb.find_loops(k)] == [(0x10, 0x30)]
+    blocks = sb.basic_blocks(k)
+    # @P0 CALL.REL.NOINC to a local label is ptxas's loop exit: a jump, not a call that returns
+    assert sorted(blocks[0x10].succs) == [0x30, 0x40] and blocks[0x30].succs == [0x10]
