@@ -198,6 +198,12 @@ def parse_ptxas(log: str) -> dict[tuple[str, str], tuple[int, int]]:
 INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
+def instr_text(raw: str) -> tuple[str, str]:
+    """(instruction without its guard predicate, opcode) of one disassembled instruction."""
+    text_ = re.sub(r"^@!?U?P[T0-9]+\s+", "", raw.strip())
+    return text_, (text_.split()[0] if text_ else "")
+
+
 def parse_sass(text: str) -> list[Kernel]:
     kernels, arch, cur = [], None, None
     for line in text.splitlines():
@@ -212,8 +218,7 @@ def parse_sass(text: str) -> list[Kernel]:
             continue
         m = INSTR.search(line)
         if m and cur is not None:
-            text_ = re.sub(r"^@!?U?P[T0-9]+\s+", "", m.group(2).strip())
-            op = text_.split()[0] if text_ else ""
+            text_, op = instr_text(m.group(2))
             cur.instrs.append((int(m.group(1), 16), op, text_))
     return kernels
 
@@ -778,13 +783,13 @@ def parse_lined_sass(text: str, arch: str) -> list[Kernel]:
             if building is not None:
                 chain, building = tuple(building), None
             addr, raw = int(m.group(1), 16), m.group(2).strip()
-            text_ = re.sub(r"^@!?U?P[T0-9]+\s+", "", raw)
+            text_, op = instr_text(raw)
             for lab in pending:
                 cur.labels[lab] = addr
             pending = []
             if text_ != raw and not raw.startswith("@PT "):
                 cur.predicated.add(addr)
-            cur.instrs.append((addr, text_.split()[0] if text_ else "", text_))
+            cur.instrs.append((addr, op, text_))
             cur.chains[addr] = chain
     return kernels
 

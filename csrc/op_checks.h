@@ -12,7 +12,6 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include "kvkernels/quant.cuh"
@@ -21,11 +20,13 @@ namespace kvk_checks {
 
 constexpr int64_t kBlock = 32;
 
-inline kvk::QuantMode parse_mode(const char* op, const std::string& mode) {
+// name: the argument, as messages call it ("mode", or "key_mode" for an op with one mode per tensor)
+inline kvk::QuantMode parse_mode(const char* op, const std::string& mode, const char* name = "mode") {
   if (mode == "sym") return kvk::QuantMode::kSym;
   if (mode == "asym") return kvk::QuantMode::kAsym;
   if (mode == "hybrid") return kvk::QuantMode::kHybrid;
-  TORCH_CHECK_VALUE(false, "kvkernels.", op, ": mode must be one of ('sym', 'asym', 'hybrid'), got '", mode, "'");
+  TORCH_CHECK_VALUE(false, "kvkernels.", op, ": ", name, " must be one of ('sym', 'asym', 'hybrid'), got '", mode,
+                    "'");
 }
 
 inline void check_bits(const char* op, int64_t bits) {
@@ -292,16 +293,11 @@ inline AttentionSizes check_decode_attention_fused(
                     ": group_size must be a positive multiple of 32 up to 1048576, got ", group_size);
   TORCH_CHECK_VALUE(key_bits >= 1 && key_bits <= 4, "kvkernels.", op, ": key_bits must be one of (1, 2, 3, 4), got ",
                     key_bits);
-  for (const auto& [name, mode] : {std::pair<const char*, const std::string&>{"key_mode", key_mode},
-                                    std::pair<const char*, const std::string&>{"value_mode", value_mode}}) {
-    TORCH_CHECK_VALUE(mode == "sym" || mode == "asym" || mode == "hybrid", "kvkernels.", op, ": ", name,
-                      " must be one of ('sym', 'asym', 'hybrid'), got '", mode, "'");
-  }
-  z.key_mode = parse_mode(op, key_mode);
+  z.key_mode = parse_mode(op, key_mode, "key_mode");
   z.key_cols = parse_layout(op, "key_", key_layout);
   TORCH_CHECK_VALUE(value_bits >= 1 && value_bits <= 4, "kvkernels.", op,
                     ": value_bits must be one of (1, 2, 3, 4), got ", value_bits);
-  z.value_mode = parse_mode(op, value_mode);
+  z.value_mode = parse_mode(op, value_mode, "value_mode");
   z.value_cols = parse_layout(op, "value_", value_layout);
   TORCH_CHECK_VALUE(z.key_cols || z.D % group_size == 0, "kvkernels.", op, ": head_dim D=", z.D,
                     " must be a multiple of group_size=", group_size, " (key store in layout rows)");

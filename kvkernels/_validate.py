@@ -471,6 +471,12 @@ def _check_window(op: str, name: str, t, batch: int, heads: int, head_dim: int, 
     return t.shape[2]
 
 
+def store_token_count(codes: torch.Tensor, bits: int, layout: str) -> int:
+    """Tokens a quantized store of the fused attention op holds: the rows of a "rows" store, the columns (words * 32
+    / bits) of a "cols" one."""
+    return codes.shape[2] if layout == "rows" else codes.shape[3] // bits * BLOCK
+
+
 def _check_store(op: str, tensor: str, codes, scales, zeros, bits, mode, layout, group_size, batch, heads, D) -> int:
     """One quantized store of the fused attention op (layout "rows" or "cols"); returns its token count."""
     pre = f"{tensor}_"
@@ -484,8 +490,9 @@ def _check_store(op: str, tensor: str, codes, scales, zeros, bits, mode, layout,
     check_last_dim_contiguous(op, f"{pre}codes", codes)
     if codes.dim() != 4 or tuple(codes.shape[:2]) != (batch, heads):
         _fail(op, f"{pre}codes must be 4-D [B={batch}, H_kv={heads}, rows, words], got shape {list(codes.shape)}")
+    m = store_token_count(codes, bits, layout)
     if layout == "rows":
-        m, words = codes.shape[2], D // BLOCK * bits
+        words = D // BLOCK * bits
         if codes.shape[3] != words:
             _fail(op, f"{pre}codes (layout rows) must hold D*bits/32 = {words} words per token, got {codes.shape[3]}")
         groups = (batch, heads, m, D // group_size)
@@ -494,7 +501,6 @@ def _check_store(op: str, tensor: str, codes, scales, zeros, bits, mode, layout,
             _fail(op, f"{pre}codes (layout cols) must be [B, H_kv, D={D}, m*bits/32], got shape {list(codes.shape)}")
         if codes.shape[3] % bits:
             _fail(op, f"{pre}codes last dim {codes.shape[3]} must be a multiple of bits={bits}")
-        m = codes.shape[3] // bits * BLOCK
         if m % group_size:
             _fail(op, f"{pre}store (layout cols) holds {m} tokens, not a multiple of group_size={group_size}")
         groups = (batch, heads, D, m // group_size)

@@ -61,14 +61,15 @@ def unpack_blocks(word0_ptrs, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def gqa_query_rows(pid_bh, H_kv, Q, T, QP: tl.constexpr):
-    """The query rows a GEMV program serves: batch b and KV head h_kv from pid_bh, and that head's Q = ratio * T
-    query rows q = r * T + t (query head h_q = h_kv * ratio + r, position t), padded to QP.
-    Returns b, h_kv, h_q, t as int64 (they scale strides) and the mask q < Q."""
+def gqa_query_rows(pid_bh, H_kv, Q, T, q0, QP: tl.constexpr):
+    """The query rows a program serves: batch b and KV head h_kv from pid_bh, and QP of that head's Q = ratio * T
+    query rows from q0 on, q = r * T + t (query head h_q = h_kv * ratio + r, position t); the GEMVs take all of them
+    (q0 = 0), fused attention one row block. Returns b, h_kv, h_q, t as int64 (they scale strides) and the mask
+    q < Q."""
     b = (pid_bh // H_kv).to(tl.int64)
     h_kv = (pid_bh % H_kv).to(tl.int64)
-    q = tl.arange(0, QP)
-    h_q = h_kv * (Q // T) + (q // T)
+    q = q0 + tl.arange(0, QP)
+    h_q = h_kv * (Q // T) + (q // T).to(tl.int64)
     t = (q % T).to(tl.int64)
     return b, h_kv, h_q, t, q < Q
 

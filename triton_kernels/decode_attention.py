@@ -31,6 +31,7 @@ from kvkernels import _validate
 from ._common import (
     check_device,
     device_ctx,
+    gqa_query_rows,
     group_affine,
     next_pow2,
     num_splits,
@@ -196,13 +197,7 @@ def _attention_split_kernel(
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     rb = pid % n_rb
-    bh = pid // n_rb
-    b = (bh // H_kv).to(tl.int64)
-    h_kv = (bh % H_kv).to(tl.int64)
-    q = rb * RB + tl.arange(0, RB)
-    q_ok = q < R
-    h_q = h_kv * (R // T) + (q // T).to(tl.int64)
-    t = (q % T).to(tl.int64)
+    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid // n_rb, H_kv, R, T, rb * RB, RB)
     c = tl.arange(0, DP)
     c_ok = c < D
     x_rows = b * sx_b + h_q * sx_h + t * sx_t  # [RB] int64
@@ -305,11 +300,6 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_rows, o_split, n_splits, D, BR
     tl.store(out_ptr + r64[:, None] * D + c[None, :], num / den[:, None], mask=o_mask)
 
 
-def store_tokens(codes: torch.Tensor, bits: int, layout: str) -> int:
-    """Tokens of a store: rows of a "rows" store, columns (words * 32 / bits) of a "cols" one."""
-    return codes.shape[2] if layout == "rows" else codes.shape[3] // bits * 32
-
-
 def tile_tokens(group_size: int, head_dim: int) -> int:
     """BN: tokens per tile, a multiple of 32 dividing the group size (64 where it fits the registers)."""
     return 64 if group_size % 64 == 0 and head_dim <= 64 else 32
@@ -361,8 +351,8 @@ def decode_attention_fused(
     check_device("decode_attention_fused", x)
     B, H_q, T, D = x.shape
     H_kv, S = sink_keys.shape[1], sink_keys.shape[2]
-    mk = store_tokens(key_codes, key_bits, key_layout)
-    mv = store_tokens(value_codes, value_bits, value_layout)
+    mk = _validate.store_token_count(key_codes, key_bits, key_layout)
+    mv = _validate.store_token_count(value_codes, value_bits, value_layout)
     N = S + mk + key_tail.shape[2]
     if B * H_q * T * D == 0:
         return torch.zeros((B, H_q, T, D), dtype=torch.float32, device=x.device)

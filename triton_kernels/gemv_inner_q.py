@@ -116,7 +116,7 @@ def _gemv_inner_q_kernel(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, QP)
+    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, 0, QP)
     x_row = b * sx_b + h_q * sx_h + t * sx_t  # [QP] int64
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

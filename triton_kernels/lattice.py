@@ -419,7 +419,7 @@ def _gemv_lattice_k_kernel(
     DP: tl.constexpr = NGP * GROUP
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, QP)
+    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, 0, QP)
 
     # q'_g = H_n (s * q_g), once per program: [QP, NGP, GROUP], padded groups zero
     d = tl.arange(0, DP)
@@ -491,7 +491,7 @@ def _gemv_lattice_v_kernel(
     DP: tl.constexpr = NGP * GROUP
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, QP)
+    b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, 0, QP)
     p_row = b * sp_b + h_q * sp_h + t * sp_t  # [QP] int64
 
     c_base = b * sc_b + h_kv * sc_h
