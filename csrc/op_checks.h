@@ -198,6 +198,7 @@ struct AttentionSizes {
   int64_t B, H_q, H_kv, T, D, S, mk, mv, n_kt, n_vt, N;
   kvk::QuantMode key_mode, value_mode;
   bool key_cols, value_cols;
+  bool device_lengths;  // lengths given: S, mk, mv, n_kt, n_vt are capacities and N the most tokens they hold
 };
 
 // A window-dtype part [B, H_kv, n, D] (sink or tail); returns n.
@@ -260,7 +261,8 @@ inline AttentionSizes check_decode_attention_fused(
     const at::Tensor& value_scales, const std::optional<at::Tensor>& value_zeros, const at::Tensor& key_tail,
     const at::Tensor& value_tail, int64_t key_bits, const std::string& key_mode, const std::string& key_layout,
     int64_t value_bits, const std::string& value_mode, const std::string& value_layout, int64_t group_size,
-    const std::optional<at::Tensor>& key_x_scale, const std::optional<at::Tensor>& attn_mask, int64_t split_tokens) {
+    const std::optional<at::Tensor>& key_x_scale, const std::optional<at::Tensor>& attn_mask, int64_t split_tokens,
+    const std::optional<at::Tensor>& lengths) {
   const char* op = "decode_attention_fused";
   check_defined(op, "x", x);
   check_defined(op, "sink_keys", sink_keys);
@@ -307,12 +309,23 @@ inline AttentionSizes check_decode_attention_fused(
                                group_size, z.B, z.H_kv, z.D);
   z.mv = check_attention_store(op, "value_", value_codes, value_scales, value_zeros, value_bits, z.value_mode,
                                z.value_cols, group_size, z.B, z.H_kv, z.D);
-  z.N = z.S + z.mk + z.n_kt;
-  TORCH_CHECK_VALUE(z.S + z.mv + z.n_vt == z.N, "kvkernels.", op, ": keys hold ", z.N, " tokens (sink ", z.S,
-                    " + store ", z.mk, " + tail ", z.n_kt, ") but values hold ", z.S + z.mv + z.n_vt, " (sink ", z.S,
-                    " + store ", z.mv, " + tail ", z.n_vt, "); both must cover the same tokens");
-  TORCH_CHECK_VALUE(z.T >= 1 && z.T <= z.N, "kvkernels.", op, ": x has T=", z.T, " query rows; need 1 <= T <= N=",
-                    z.N, " (the rows are the last T cached tokens)");
+  z.device_lengths = lengths.has_value();
+  if (z.device_lengths) {
+    // device-side lengths: the parts are capacity buffers, what they hold is not read here (no device sync); N is
+    // the most tokens they can hold (the mask must span it, the launch is planned for it)
+    check_dtype(op, "lengths", *lengths, at::kLong);
+    check_shape(op, "lengths", *lengths, {5});
+    check_last_dim_contiguous(op, "lengths", *lengths);
+    z.N = z.S + std::min(z.mk + z.n_kt, z.mv + z.n_vt);
+    TORCH_CHECK_VALUE(z.T >= 1, "kvkernels.", op, ": x has T=", z.T, " query rows; need T >= 1");
+  } else {
+    z.N = z.S + z.mk + z.n_kt;
+    TORCH_CHECK_VALUE(z.S + z.mv + z.n_vt == z.N, "kvkernels.", op, ": keys hold ", z.N, " tokens (sink ", z.S,
+                      " + store ", z.mk, " + tail ", z.n_kt, ") but values hold ", z.S + z.mv + z.n_vt, " (sink ",
+                      z.S, " + store ", z.mv, " + tail ", z.n_vt, "); both must cover the same tokens");
+    TORCH_CHECK_VALUE(z.T >= 1 && z.T <= z.N, "kvkernels.", op, ": x has T=", z.T, " query rows; need 1 <= T <= N=",
+                      z.N, " (the rows are the last T cached tokens)");
+  }
   if (key_x_scale.has_value()) {
     check_dtype(op, "key_x_scale", *key_x_scale, at::kFloat);
     check_shape(op, "key_x_scale", *key_x_scale, {z.H_kv, z.D});
@@ -321,10 +334,12 @@ inline AttentionSizes check_decode_attention_fused(
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;
     check_dtype(op, "attn_mask", m, at::kFloat);
-    TORCH_CHECK_VALUE(m.dim() == 4 && m.size(2) == z.T && m.size(3) == z.N && (m.size(0) == 1 || m.size(0) == z.B) &&
+    const bool cols_ok = m.dim() == 4 && (z.device_lengths ? m.size(3) >= z.N : m.size(3) == z.N);
+    TORCH_CHECK_VALUE(cols_ok && m.size(2) == z.T && (m.size(0) == 1 || m.size(0) == z.B) &&
                           (m.size(1) == 1 || m.size(1) == z.H_q),
-                      "kvkernels.", op, ": attn_mask must be [B or 1, H_q or 1, T=", z.T, ", N=", z.N, "], got shape ",
-                      m.sizes());
+                      "kvkernels.", op, ": attn_mask must be [B or 1, H_q or 1, T=", z.T, ", ",
+                      z.device_lengths ? "M >= " : "N=", z.N, z.device_lengths ? " (the tokens the buffers hold)" : "",
+                      "], got shape ", m.sizes());
     check_last_dim_contiguous(op, "attn_mask", m);
   }
   TORCH_CHECK_VALUE(split_tokens >= 0 && split_tokens % group_size == 0, "kvkernels.", op,

@@ -78,10 +78,12 @@ TORCH_LIBRARY(kvkernels, m) {
   // m*bits/32] + scales/zeros [B, H_kv, D, m/G]; zeros None for sym. Stored keys are K / key_x_scale (fp32 [H_kv, D])
   // when it is given. attn_mask: additive fp32 [B|1, H_q|1, T, N], None = causal among the last T tokens.
   // split_tokens: tokens per split-KV chunk (a multiple of G; 0 = the kernel plans), never changes the result.
+  // lengths: int64 [5] on the device, (S, key store, key tail, value store, value tail) tokens used: the parts are then
+  // capacity buffers and no token count is read on the host, so the call can be captured in a CUDA graph.
   m.def(
       "decode_attention_fused(Tensor x, Tensor sink_keys, Tensor sink_values, Tensor key_codes, Tensor key_scales, "
       "Tensor? key_zeros, Tensor value_codes, Tensor value_scales, Tensor? value_zeros, Tensor key_tail, "
       "Tensor value_tail, int key_bits, str key_mode, str key_layout, int value_bits, str value_mode, "
-      "str value_layout, int group_size, Tensor? key_x_scale=None, Tensor? attn_mask=None, int split_tokens=0) "
-      "-> Tensor");
+      "str value_layout, int group_size, Tensor? key_x_scale=None, Tensor? attn_mask=None, int split_tokens=0, "
+      "Tensor? lengths=None) -> Tensor");
 }

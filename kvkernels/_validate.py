@@ -518,7 +518,7 @@ def _check_store(op: str, tensor: str, codes, scales, zeros, bits, mode, layout,
 def check_decode_attention_fused(
     x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
     key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
-    key_x_scale=None, attn_mask=None, split_tokens=0,
+    key_x_scale=None, attn_mask=None, split_tokens=0, lengths=None,
 ) -> None:  # fmt: skip
     op = "decode_attention_fused"
     check_tensors(
@@ -565,14 +565,24 @@ def check_decode_attention_fused(
         H_kv,
         D,
     )
-    N = S + mk + n_kt
-    if S + mv + n_vt != N:
-        _fail(
-            op, f"keys hold {N} tokens (sink {S} + store {mk} + tail {n_kt}) but values hold {S + mv + n_vt} "
-            f"(sink {S} + store {mv} + tail {n_vt}); both must cover the same tokens",
-        )  # fmt: skip
-    if T < 1 or T > N:
-        _fail(op, f"x has T={T} query rows; need 1 <= T <= N={N} (the rows are the last T cached tokens)")
+    if lengths is not None:
+        # device-side lengths: the parts are capacity buffers; what they hold is not read here (no device sync), and
+        # the mask must span the most tokens they can hold
+        check_dtype(op, "lengths", lengths, torch.int64)
+        check_shape(op, "lengths", lengths, (5,))
+        check_last_dim_contiguous(op, "lengths", lengths)
+        N = S + min(mk + n_kt, mv + n_vt)
+        if T < 1:
+            _fail(op, f"x has T={T} query rows; need T >= 1")
+    else:
+        N = S + mk + n_kt
+        if S + mv + n_vt != N:
+            _fail(
+                op, f"keys hold {N} tokens (sink {S} + store {mk} + tail {n_kt}) but values hold {S + mv + n_vt} "
+                f"(sink {S} + store {mv} + tail {n_vt}); both must cover the same tokens",
+            )  # fmt: skip
+        if T < 1 or T > N:
+            _fail(op, f"x has T={T} query rows; need 1 <= T <= N={N} (the rows are the last T cached tokens)")
     if key_x_scale is not None:
         check_dtype(op, "key_x_scale", key_x_scale, torch.float32)
         check_shape(op, "key_x_scale", key_x_scale, (H_kv, D))
@@ -581,11 +591,13 @@ def check_decode_attention_fused(
         check_dtype(op, "attn_mask", attn_mask, torch.float32)
         if (
             attn_mask.dim() != 4
-            or tuple(attn_mask.shape[2:]) != (T, N)
+            or attn_mask.shape[2] != T
+            or (attn_mask.shape[3] < N if lengths is not None else attn_mask.shape[3] != N)
             or attn_mask.shape[0] not in (1, B)
             or attn_mask.shape[1] not in (1, H_q)
         ):
-            _fail(op, f"attn_mask must be [B or 1, H_q or 1, T={T}, N={N}], got shape {list(attn_mask.shape)}")
+            cols = f"M >= {N} (the tokens the buffers hold)" if lengths is not None else f"N={N}"
+            _fail(op, f"attn_mask must be [B or 1, H_q or 1, T={T}, {cols}], got shape {list(attn_mask.shape)}")
         check_last_dim_contiguous(op, "attn_mask", attn_mask)
     if not isinstance(split_tokens, int) or split_tokens < 0 or split_tokens % group_size:
         _fail(
@@ -595,5 +607,5 @@ def check_decode_attention_fused(
     check_same_device(
         op, x=x, sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes, key_scales=key_scales,
         key_zeros=key_zeros, value_codes=value_codes, value_scales=value_scales, value_zeros=value_zeros,
-        key_tail=key_tail, value_tail=value_tail, key_x_scale=key_x_scale, attn_mask=attn_mask,
+        key_tail=key_tail, value_tail=value_tail, key_x_scale=key_x_scale, attn_mask=attn_mask, lengths=lengths,
     )  # fmt: skip

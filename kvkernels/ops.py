@@ -91,11 +91,15 @@ CUDA_IMPL: dict[str, str] = {}
 CUDA_ATTENTION_HEAD_DIMS = (64, 128)
 
 
-def fused_attention_takes(device: torch.device, head_dim: int) -> bool:
-    """Whether the decode_attention_fused kernel that serves `device` takes this head_dim: the compiled CUDA kernel
-    is instantiated for CUDA_ATTENTION_HEAD_DIMS; Triton and the reference take any (decode_attention composes
-    where the op would refuse)."""
-    if device.type == "cuda" and CUDA_IMPL.get("decode_attention_fused") == "cuda":
+def fused_attention_takes(device: torch.device, head_dim: int, device_lengths: bool = False) -> bool:
+    """Whether the decode_attention_fused kernel that serves `device` takes this call: the compiled CUDA kernel
+    is instantiated for CUDA_ATTENTION_HEAD_DIMS, Triton and the reference take any head_dim (decode_attention
+    composes where the op would refuse); device_lengths (the lengths= form) is so far taken by the reference only
+    (kvkernels.static_cache calls the reference where this is False)."""
+    impl = CUDA_IMPL.get("decode_attention_fused", "reference") if device.type == "cuda" else "reference"
+    if device_lengths and impl != "reference":
+        return False
+    if impl == "cuda":
         return head_dim in CUDA_ATTENTION_HEAD_DIMS
     return True
 
@@ -450,6 +454,7 @@ def decode_attention_fused(
     key_x_scale: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     split_tokens: int = 0,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(x K^T + mask) V over one layer's sink | quantized store | tail, in one op: fp32 [B, H_q, T, D].
 
@@ -457,7 +462,10 @@ def decode_attention_fused(
     float dtype; each store is codes / scales / zeros in layout "rows" (token-major, groups along channels) or
     "cols" (channel-major, groups along tokens), with stored keys = K / key_x_scale when key_x_scale [H_kv, D] is
     given. attn_mask: additive fp32 [B|1, H_q|1, T, N], None = causal among the last T tokens. split_tokens: tokens
-    per split-KV chunk (multiple of G; 0 = planned); it changes rounding order only. Spec and shapes:
+    per split-KV chunk (multiple of G; 0 = planned); it changes rounding order only. lengths: int64 [5] on the
+    device, the tokens used of (sink, key store, key tail, value store, value tail); the parts are then capacity
+    buffers, the mask [B|1, H_q|1, T, M] spans at least the tokens they can hold, and no token count is read on the
+    host (CUDA-graph capturable; kvkernels.static_cache). Spec and shapes:
     kvkernels/reference/attention.py. kvkernels.decode_attention calls this with a cache's operands
     (QuantizedLayerCache.fused_attention_operands).
     """
@@ -465,7 +473,7 @@ def decode_attention_fused(
     args = (
         x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
         key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
-        key_x_scale, attn_mask, split_tokens,
+        key_x_scale, attn_mask, split_tokens, lengths,
     )  # fmt: skip
     V.check_decode_attention_fused(*args)
     return torch.ops.kvkernels.decode_attention_fused.default(*args)

@@ -7,6 +7,7 @@ The Triton kernel is held to the reference in tests/test_triton_attention.py, th
 
 import pytest
 import torch
+from device_lengths import with_capacity
 
 import kvkernels
 from kvkernels import attention, ops, reference
@@ -192,12 +193,69 @@ def test_bad_arguments_raise_on_every_entry_point(case, entry):
         fn(x, **kw)
 
 
+@pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("mask", [False, True])
-def test_opcheck(mask):
+def test_opcheck(mask, lengths):
     x, kw = _op_args(mask=mask)
+    if lengths:
+        kw, kw["lengths"] = with_capacity(kw)
     names = [a.name for a in torch.ops.kvkernels.decode_attention_fused.default._schema.arguments]
-    args = tuple(x if n == "x" else kw.get(n) for n in names[:-1]) + (0,)
+    args = tuple(x if n == "x" else 0 if n == "split_tokens" else kw.get(n) for n in names)
     torch.library.opcheck(torch.ops.kvkernels.decode_attention_fused.default, args)
+
+
+# ---- device-side lengths (static caches, CUDA graphs) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("N", [3, 40, 161, 230])
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
+def test_device_lengths_equal_the_exact_sizes(preset, N, T, mask):
+    # capacity buffers with NaN / random junk past the used tokens, NaN mask columns past N: none of it may leak
+    c = _filled(preset, N=N, prefill=min(N, 150))
+    kw = c.fused_attention_operands()
+    x = _q(2, 4, T, 64) * 0.125
+    if mask:
+        kw["attn_mask"] = torch.randn(2, 1, T, N, generator=torch.Generator().manual_seed(2))
+    want = reference.decode_attention_fused(x, **kw)
+    padded, lengths = with_capacity(kw)
+    for fn in (ops.decode_attention_fused, torch.ops.kvkernels.decode_attention_fused):
+        torch.testing.assert_close(fn(x, **padded, lengths=lengths), want, rtol=1e-6, atol=1e-6)
+
+
+def test_device_lengths_are_not_checked_against_the_buffers_on_the_host():
+    # inconsistent lengths cannot be seen without a sync: the op clamps them into the buffers and does not fail
+    x, kw = _op_args()
+    padded, lengths = with_capacity(kw)
+    for bad in ([10**9, 10**9, 10**9, 10**9, 10**9], [-5, 3, 0, 7, 2], [0, 0, 0, 0, 0]):
+        out = ops.decode_attention_fused(x, **padded, lengths=torch.tensor(bad))
+        assert out.shape == x.shape
+
+
+def _bad_length_cases():
+    x, kw = _op_args()
+    padded, lengths = with_capacity(kw)
+
+    def with_(**changes):
+        return x, {**padded, "lengths": lengths, **changes}
+
+    return {
+        "lengths dtype": (with_(lengths=lengths.int()), TypeError, "lengths must be int64"),
+        "lengths shape": (with_(lengths=lengths[:4]), ValueError, "lengths must have shape"),
+        "mask narrower than the buffers": (
+            with_(attn_mask=torch.zeros(1, 1, 2, 20)), ValueError, r"M >= \d+ \(the tokens the buffers hold\)",
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops"])
+@pytest.mark.parametrize("case", list(_bad_length_cases()))
+def test_bad_lengths_raise_on_every_entry_point(case, entry):
+    (x, kw), exc, match = _bad_length_cases()[case]
+    fn = ops.decode_attention_fused if entry == "wrapper" else torch.ops.kvkernels.decode_attention_fused
+    with pytest.raises(exc, match=match):
+        fn(x, **kw)
 
 
 def test_compiles_with_the_fake():
@@ -253,3 +311,13 @@ def test_cuda_default_path_equals_composed(preset, D):
     for m in (None, mask):
         want = c.attention(q, attn_mask=m, fused_op=False).float()
         torch.testing.assert_close(c.attention(q, attn_mask=m).float(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_only_the_reference_takes_device_lengths_so_far(monkeypatch):
+    # the CUDA and Triton kernels raise NotImplementedError for lengths=; callers (StaticLayerCache) ask first
+    cuda = torch.device("cuda")
+    for impl, plain in (("cuda", True), ("triton", True), ("reference", True)):
+        monkeypatch.setitem(ops.CUDA_IMPL, "decode_attention_fused", impl)
+        assert ops.fused_attention_takes(cuda, 128) is plain
+        assert ops.fused_attention_takes(cuda, 128, device_lengths=True) is (impl == "reference")
+    assert ops.fused_attention_takes(torch.device("cpu"), 96, device_lengths=True)

@@ -339,15 +339,22 @@ def decode_attention_fused(
     key_x_scale: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     split_tokens: int = 0,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(x K^T + mask) V over one layer's sink | quantized store | tail: fp32 [B, H_q, T, D] (module
-    docstring; spec kvkernels/reference/attention.py)."""
+    docstring; spec kvkernels/reference/attention.py). The device-lengths form (lengths=) is not in this kernel yet:
+    NotImplementedError (kvkernels.ops.fused_attention_takes sends callers to the reference)."""
     args = (
         x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
         key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
-        key_x_scale, attn_mask, split_tokens,
+        key_x_scale, attn_mask, split_tokens, lengths,
     )  # fmt: skip
     _validate.check_decode_attention_fused(*args)
+    if lengths is not None:
+        raise NotImplementedError(
+            "kvkernels.decode_attention_fused: the Triton kernel does not take device-side lengths yet; "
+            "kvkernels.reference.decode_attention_fused does (plain torch ops, CUDA-graph capturable)"
+        )
     check_device("decode_attention_fused", x)
     B, H_q, T, D = x.shape
     H_kv, S = sink_keys.shape[1], sink_keys.shape[2]

@@ -669,12 +669,13 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
                                   const std::string& key_mode, const std::string& key_layout, int64_t value_bits,
                                   const std::string& value_mode, const std::string& value_layout,
                                   int64_t group_size, const std::optional<at::Tensor>& key_x_scale,
-                                  const std::optional<at::Tensor>& attn_mask, int64_t split_tokens) {
+                                  const std::optional<at::Tensor>& attn_mask, int64_t split_tokens,
+                                  const std::optional<at::Tensor>& lengths) {
   const char* op = "decode_attention_fused";
   const AttentionSizes z = check_decode_attention_fused(
       x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
       value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size, key_x_scale,
-      attn_mask, split_tokens);
+      attn_mask, split_tokens, lengths);
   const at::Device device = x.device();
   check_cuda(op, "x", x, device);
   check_cuda(op, "sink_keys", sink_keys, device);
@@ -689,6 +690,11 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
   check_cuda(op, "value_tail", value_tail, device);
   if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
   if (attn_mask.has_value()) check_cuda(op, "attn_mask", *attn_mask, device);
+  // not yet in the kernel (it would read the counts in each CTA and plan from the capacities); until then the device-
+  // lengths form is served by the reference, which kvkernels.ops.fused_attention_takes points callers to
+  TORCH_CHECK_NOT_IMPLEMENTED(!z.device_lengths, "kvkernels.", op, ": the CUDA kernel does not take device-side ",
+                              "lengths yet; kvkernels.reference.decode_attention_fused does (plain torch ops, CUDA-graph ",
+                              "capturable)");
   TORCH_CHECK_VALUE(z.D == 64 || z.D == 128, "kvkernels.", op, ": the CUDA kernel takes head_dim in (64, 128), got ",
                     z.D, "; kvkernels.reference.decode_attention_fused computes any head_dim");
 

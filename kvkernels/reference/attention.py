@@ -19,6 +19,17 @@ mask None: causal among the T query rows, which are the last T of the N tokens (
 Otherwise an additive fp32 mask [B or 1, H_q or 1, T, N] replaces it (a bool mask is turned into 0 / finfo.min by
 kvkernels.attention before the op: a fully masked row then averages uniformly instead of giving NaN).
 
+Device-side lengths (static caches, CUDA graphs): with lengths, an int64 tensor [5] on x's device holding
+(S, mk, lk, mv, lv), the tokens used of sink, key store, key tail, value store and value tail, every window and store
+argument is a fixed-capacity buffer of which only the first tokens are read, and no token count is read on the host:
+the op's launch depends on shapes only, so a decode step can be captured in a CUDA graph and replayed as the lengths
+change. N = S + mk + lk = S + mv + lv; a mask is then [B|1, H_q|1, T, M] with M >= S_cap + min(mk_cap + lk_cap,
+mv_cap + lv_cap) (the most tokens the buffers hold), column j holding token j, columns >= N unread. Lengths that
+break these rules (over a capacity, keys and values disagreeing, T > N, a "cols" store length not a multiple of G)
+cannot be checked without a device sync; the kernels then clamp each length into its buffer (never reading outside
+it) and the result is unspecified: every length is clamped into [0, capacity] (a "cols" store's rounded down to a
+multiple of G) and N = S + min(mk + lk, mv + lv).
+
 This reference literally dequantizes both stores, concatenates the parts and runs one softmax. The fast kernels
 split the tokens into chunks (split_tokens per chunk; 0 lets them plan), compute each chunk's (max, sum, output)
 with an online softmax and merge the chunks by log-sum-exp, so they differ from this only in rounding order;
@@ -65,6 +76,7 @@ def decode_attention_fused(
     key_x_scale: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     split_tokens: int = 0,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(x K^T + mask) V over sink | store | tail of keys and values: fp32 [B, H_q, T, D] (module docstring)."""
     B, H_q, T, D = x.shape
@@ -73,6 +85,10 @@ def decode_attention_fused(
     if key_x_scale is not None:
         k_store = k_store * key_x_scale.to(torch.float32)[None, :, None, :]
     v_store = store_tokens(value_codes, value_scales, value_zeros, value_bits, group_size, value_mode, value_layout)
+    if lengths is not None:
+        cols = (key_layout == "cols", value_layout == "cols")
+        parts = (sink_keys, k_store, key_tail, sink_values, v_store, value_tail)
+        return _with_device_lengths(x, parts, cols, group_size, attn_mask, lengths)
     k = torch.cat([sink_keys.float(), k_store, key_tail.float()], dim=2)  # [B, H_kv, N, D]
     v = torch.cat([sink_values.float(), v_store, value_tail.float()], dim=2)
     N = k.shape[2]
@@ -80,4 +96,52 @@ def decode_attention_fused(
     scores = (xg @ k.unsqueeze(2).transpose(-1, -2)).reshape(B, H_q, T, N)
     scores = scores + (causal_mask(T, N, x.device) if attn_mask is None else attn_mask.to(torch.float32))
     p = torch.softmax(scores, dim=-1).reshape(B, H_kv, H_q // H_kv, T, N)
+    return (p @ v.unsqueeze(2)).reshape(B, H_q, T, D)
+
+
+def clamped_lengths(lengths: torch.Tensor, caps: tuple[int, int, int, int, int], key_cols: bool, value_cols: bool,
+                    group_size: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """(S, mk, lk, mv, lv, N) as 0-d int64 device tensors: each length clamped into [0, its capacity], a "cols" store's
+    rounded down to a multiple of G, and N = S + min(mk + lk, mv + lv) (the module docstring's rule for lengths that
+    break the contract; valid lengths pass unchanged). No host read."""
+    S, mk, lk, mv, lv = (lengths.to(torch.int64)[i].clamp(0, cap) for i, cap in enumerate(caps))
+    if key_cols:
+        mk = mk - mk % group_size
+    if value_cols:
+        mv = mv - mv % group_size
+    return S, mk, lk, mv, lv, S + torch.minimum(mk + lk, mv + lv)
+
+
+def _gather_tokens(sink, store, tail, S, m, n_cap: int) -> torch.Tensor:
+    # tokens 0 .. n_cap - 1 in token order, gathered from capacity buffers by device-computed indices (clamped, so a
+    # position past N reads some buffer row; the caller masks it)
+    j = torch.arange(n_cap, device=sink.device)
+    s_cap, m_cap = sink.shape[2], store.shape[2]
+    idx = torch.where(j < S, j, torch.where(j < S + m, s_cap + j - S, s_cap + m_cap + j - S - m))
+    parts = torch.cat([sink.float(), store, tail.float()], dim=2)
+    return parts.index_select(2, idx.clamp(0, parts.shape[2] - 1))
+
+
+def _with_device_lengths(x, parts, cols, group_size, attn_mask, lengths) -> torch.Tensor:
+    # the module docstring's device-lengths form, with masks instead of slices: no token count is read on the host.
+    # parts: (sink_keys, key store tokens, key_tail, sink_values, value store tokens, value_tail), capacity buffers
+    sink_keys, k_store, key_tail, sink_values, v_store, value_tail = parts
+    B, H_q, T, D = x.shape
+    H_kv = sink_keys.shape[1]
+    caps = (sink_keys.shape[2], k_store.shape[2], key_tail.shape[2], v_store.shape[2], value_tail.shape[2])
+    S, mk, lk, mv, lv, N = clamped_lengths(lengths, caps, *cols, group_size)
+    n_cap = caps[0] + min(caps[1] + caps[2], caps[3] + caps[4])
+    k = _gather_tokens(sink_keys, k_store, key_tail, S, mk, n_cap)  # [B, H_kv, n_cap, D]
+    v = _gather_tokens(sink_values, v_store, value_tail, S, mv, n_cap)
+    j = torch.arange(n_cap, device=x.device)
+    v = v.masked_fill((j >= N)[:, None], 0.0)  # unused capacity may hold anything: p 0 times NaN would be NaN
+    xg = x.to(torch.float32).reshape(B, H_kv, H_q // H_kv, T, D)
+    scores = (xg @ k.unsqueeze(2).transpose(-1, -2)).reshape(B, H_q, T, n_cap)
+    if attn_mask is None:
+        future = j[None, :] > (N - T + torch.arange(T, device=x.device))[:, None]  # [T, n_cap]
+        scores = scores.masked_fill(future, float("-inf"))
+    else:
+        scores = scores + attn_mask[..., :n_cap].to(torch.float32)
+    scores = scores.masked_fill(j >= N, float("-inf"))  # after the mask: NaN + -inf would stay NaN
+    p = torch.softmax(scores, dim=-1).reshape(B, H_kv, H_q // H_kv, T, n_cap)
     return (p @ v.unsqueeze(2)).reshape(B, H_q, T, D)
