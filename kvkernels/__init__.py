@@ -25,6 +25,7 @@ from .ops import (
     quantize_groups_into,
     unpack_bits,
 )
+from .static_cache import StaticLayerCache
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     *formats.__all__,
     "LayerContext",
     "ModelKVCache",
+    "StaticLayerCache",
     "backends",
     "compute_key_norm",
     "decode_attention",

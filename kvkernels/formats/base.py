@@ -173,8 +173,15 @@ class QuantStore:
         return tuple(self._narrow(t, lo, hi) for t in (self.codes, self.scales, self.zeros))
 
     def _grow(self, needed: int) -> None:
-        """Reallocate to max(2 * cap, needed) tokens and copy the used part; the only place the store is copied."""
-        new_cap = _round_up(max(2 * self.cap, needed), self.cap_unit)
+        """Reallocate to max(2 * cap, needed) tokens and copy the used part (appends: amortized O(1) per token)."""
+        self.reserve(max(2 * self.cap, needed))
+
+    def reserve(self, tokens: int) -> None:
+        """Reallocate to exactly `tokens` (rounded up to the capacity unit) if the store holds fewer, copying the
+        used part; the only place the store is copied. A static cache sizes its stores once with it."""
+        new_cap = _round_up(tokens, self.cap_unit)
+        if new_cap <= self.cap:
+            return
         used = QuantStore.views(self)  # this store's own buffers (a subclass's views() may read another's codes)
         self.cap = new_cap
         self.codes, self.scales, self.zeros = self._alloc(self.batch, new_cap)
@@ -232,6 +239,33 @@ class QuantStore:
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
+
+
+def attention_operands(sink_keys, sink_values, key_store, key_parts, value_store, value_parts, key_tail, value_tail,
+                       key_x_scale) -> dict:  # fmt: skip
+    """ops.decode_attention_fused's keyword arguments (all but x, attn_mask, split_tokens, lengths) from a cache's
+    parts: key_parts / value_parts are (codes, scales, zeros) of the stores (the used views, or whole buffers)."""
+    (kc, kscale, kz), (vc, vscale, vz) = key_parts, value_parts
+    return {
+        "sink_keys": sink_keys,
+        "sink_values": sink_values,
+        "key_codes": kc,
+        "key_scales": kscale,
+        "key_zeros": kz,
+        "value_codes": vc,
+        "value_scales": vscale,
+        "value_zeros": vz,
+        "key_tail": key_tail,
+        "value_tail": value_tail,
+        "key_bits": key_store.bits,
+        "key_mode": key_store.mode,
+        "key_layout": key_store.layout,
+        "value_bits": value_store.bits,
+        "value_mode": value_store.mode,
+        "value_layout": value_store.layout,
+        "group_size": key_store.group_size,
+        "key_x_scale": key_x_scale,
+    }
 
 
 class QuantizedLayerCache:
@@ -441,28 +475,10 @@ class QuantizedLayerCache:
             getattr(cls, hook) is not getattr(QuantizedLayerCache, hook) for hook in self._COMPOSED_HOOKS
         ):
             return None
-        ks, vs = self.key_store, self.value_store
-        (kc, kscale, kz), (vc, vscale, vz) = ks.views(), vs.views()
-        return {
-            "sink_keys": self.sink_keys,
-            "sink_values": self.sink_values,
-            "key_codes": kc,
-            "key_scales": kscale,
-            "key_zeros": kz,
-            "value_codes": vc,
-            "value_scales": vscale,
-            "value_zeros": vz,
-            "key_tail": self.key_tail,
-            "value_tail": self.value_tail,
-            "key_bits": ks.bits,
-            "key_mode": ks.mode,
-            "key_layout": ks.layout,
-            "value_bits": vs.bits,
-            "value_mode": vs.mode,
-            "value_layout": vs.layout,
-            "group_size": ks.group_size,
-            "key_x_scale": self.key_norm,
-        }
+        return attention_operands(
+            self.sink_keys, self.sink_values, self.key_store, self.key_store.views(), self.value_store,
+            self.value_store.views(), self.key_tail, self.value_tail, self.key_norm,
+        )  # fmt: skip
 
     # -- reads -----------------------------------------------------------------------------------------------
     def attention(

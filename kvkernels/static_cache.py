@@ -1,0 +1,279 @@
+"""Static-shape decode: a layer cache with fixed buffers and token counts on the device, for CUDA graphs.
+
+A QuantizedLayerCache (kvkernels.formats.base) keeps its token counts as Python ints: every append decides on the
+host how many tokens leave the fp16 tails, slices views of the used part and re-concatenates the tails, so each decode
+step has new shapes and host decisions, and cannot be captured in a CUDA graph. StaticLayerCache takes over such a
+cache (usually right after its prefill, which stays dynamic) and from then on
+
+* keeps every buffer at a fixed shape: the sink [B, H_kv, w_sink, D], each quantized store at a capacity of
+  max_tokens plus one step of slack, each fp16 tail at the most tokens it can hold during a step
+  (w_recent + step_tokens, plus G - 1 for a tensor that leaves its tail in whole groups of G tokens);
+* keeps the token counts in one int64 device tensor `lengths` = (sink, key store, key tail, value store, value tail);
+* appends with fixed-shape device ops only: new tokens are written by where() over the sink and the tail, the oldest
+  tail tokens that may leave (a fixed number E per step) are always quantized into scratch buffers and copied into
+  the store at the device offset, and only the count that really leaves (0 .. E, computed on the device) is committed
+  to `lengths` and shifted out of the tail; writes past the committed count land in the store's slack and are
+  overwritten later;
+* attends with ops.decode_attention_fused over the whole buffers and `lengths` (the op's device-lengths form), so
+  neither the step nor the op reads a token count on the host. So far only the reference implements that form (the
+  CUDA and Triton kernels raise NotImplementedError for it): on a GPU the static step is capturable but its attention
+  dequantizes the whole capacity every step; the kernels' support is the next step.
+
+The tokens and their quantization are exactly those of the dynamic cache fed the same K/V (tests/test_static_cache.py
+holds it to that, and checks that no op of a step reads a device value on the host). Formats: those whose attention
+is the fused op's arithmetic over plain quantized stores (fused_attention_operands() is not None and both stores are
+QuantStore): InnerQ, KIVI. Others raise at construction.
+
+Capacity: appending past max_tokens is a programming error that cannot be caught on the host without a sync; the
+store write then indexes past its buffer (an index error on CPU, a device-side assert on CUDA), as with transformers'
+StaticCache. seq_len and token_counts() read the device (a sync): use them outside the captured step.
+
+Usage (a decode loop captured once and replayed; tests/test_cuda_kernels.py runs it on a GPU):
+
+    static = StaticLayerCache(cache, max_tokens=4096)      # cache: a prefilled InnerQ / KIVI layer cache
+    k_in, v_in, q_in = (torch.empty(...) for ...)          # static input buffers of the step
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.append(k_in, v_in)
+        out = static.attention(q_in)
+    for each step: k_in.copy_(k); v_in.copy_(v); q_in.copy_(q); graph.replay()   # out holds the step's output
+"""
+
+import torch
+
+from . import ops, reference
+from .attention import _additive_mask
+from .formats.base import QuantizedLayerCache, QuantStore, attention_operands
+
+LENGTH_NAMES = ("sink", "key_quantized", "key_tail", "value_quantized", "value_tail")
+
+
+class _StaticTensor:
+    """One tensor's (keys' or values') store and fixed-size fp16 tail, and the per-step constants of its eviction."""
+
+    def __init__(self, store: QuantStore, tail: torch.Tensor, w_recent: int, step_tokens: int, max_tokens: int):
+        self.store = store
+        G = store.group_size
+        # the most tokens that can leave the tail in one step (E), and the tail's size during a step: before an
+        # append a "rows" tail holds <= w_recent tokens, a "cols" tail <= w_recent + G - 1
+        if store.layout == "rows":
+            self.evict_max, tail_cap = step_tokens, w_recent + step_tokens
+        else:
+            self.evict_max = (G - 1 + step_tokens) // G * G
+            tail_cap = w_recent + G - 1 + step_tokens
+        if tail.shape[2] > tail_cap - step_tokens:
+            raise ValueError(f"the cache's tail holds {tail.shape[2]} tokens, over its window {tail_cap - step_tokens}")
+        B, H, _, D = tail.shape
+        self.tail = torch.zeros(B, H, tail_cap, D, dtype=tail.dtype, device=tail.device)
+        self.tail[:, :, : tail.shape[2]] = tail
+        needed = max_tokens + self.evict_max  # the slack: a step's uncommitted writes land past the used part
+        store.reserve(needed)
+        # scratch outputs of the quantizer for E tokens (fixed shapes); sym's zeros go to a throwaway buffer too
+        E, b = self.evict_max, store.bits
+        if store.layout == "rows":
+            cshape, gshape = (B, H, E, D // 32 * b), (B, H, E, D // G)
+        else:
+            cshape, gshape = (B, H, D, E // 32 * b), (B, H, D, E // G)
+        dev = tail.device
+        self.codes = torch.zeros(cshape, dtype=torch.int32, device=dev)
+        self.scales = torch.zeros(gshape, dtype=torch.float16, device=dev)
+        self.zeros = torch.zeros(gshape, dtype=torch.float16, device=dev)
+        self.tail_slots = torch.arange(tail_cap, device=dev)
+        self.evict_slots = torch.arange(E, device=dev)
+
+    def write(self, x: torch.Tensor, first: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
+        """Tokens x[:, :, first + i] for i < count go to tail slots start + i (where(), no index from the host)."""
+        src_idx = self.tail_slots - start + first
+        keep = (src_idx < first) | (src_idx >= first + count)
+        src = x.index_select(2, src_idx.clamp(0, x.shape[2] - 1))
+        self.tail.copy_(torch.where(keep[:, None], self.tail, src))
+
+    def evict(self, tail_len: torch.Tensor, stored: torch.Tensor, w_recent: int, transform) -> torch.Tensor:
+        """Quantize the tail's first E tokens into the store at token `stored`, shift out the n_out that really leave
+        ((tail_len - w_recent) rounded down to the store's step, at least 0); returns n_out (a device tensor)."""
+        st = self.store
+        n_out = (tail_len - w_recent).clamp(min=0) // st.step * st.step
+        oldest = self.tail[:, :, : self.evict_max]
+        oldest = transform(oldest) if transform is not None else oldest
+        src = (oldest if st.layout == "rows" else oldest.transpose(2, 3)).contiguous()
+        ops.quantize_groups_into(src, st.bits, st.group_size, st.mode, st.eta, self.codes, self.scales, self.zeros)
+        if st.layout == "rows":
+            tok = stored + self.evict_slots
+            st.codes.index_copy_(2, tok, self.codes)
+            st.scales.index_copy_(2, tok, self.scales)
+            if st.zeros is not None:
+                st.zeros.index_copy_(2, tok, self.zeros)
+        else:
+            words = stored * st.bits // 32 + torch.arange(self.codes.shape[3], device=stored.device)
+            groups = stored // st.group_size + torch.arange(self.scales.shape[3], device=stored.device)
+            st.codes.index_copy_(3, words, self.codes)
+            st.scales.index_copy_(3, groups, self.scales)
+            if st.zeros is not None:
+                st.zeros.index_copy_(3, groups, self.zeros)
+        shifted = (self.tail_slots + n_out).clamp(max=self.tail.shape[2] - 1)
+        self.tail.copy_(self.tail.index_select(2, shifted))
+        return n_out
+
+
+class StaticLayerCache:
+    """A layer cache with fixed buffer shapes and device-side token counts (module docstring).
+
+    StaticLayerCache(cache, max_tokens, step_tokens=1)
+
+    cache: a QuantizedLayerCache of a format the fused op serves (InnerQ, KIVI), typically just prefilled; its
+    buffers are taken over (the store buffers grown once to max_tokens), so do not use it afterwards.
+    max_tokens: the most tokens the cache will hold (prompt + generated).
+    step_tokens: tokens per append (1 for plain decoding; more for a speculative chunk of fixed size).
+    """
+
+    def __init__(self, cache: QuantizedLayerCache, max_tokens: int, step_tokens: int = 1):
+        if not isinstance(cache, QuantizedLayerCache):
+            raise TypeError(f"cache must be a kvkernels layer cache (QuantizedLayerCache), got {type(cache).__name__}")
+        if cache.fused_attention_operands() is None or not all(
+            type(s) is QuantStore for s in (cache.key_store, cache.value_store)
+        ):
+            raise ValueError(
+                f"{cache.format.name} caches cannot be made static: their attention is not the fused op over plain "
+                "quantized stores (static caches serve InnerQ and KIVI)"
+            )
+        for name, val in (("max_tokens", max_tokens), ("step_tokens", step_tokens)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if cache.seq_len > max_tokens:
+            raise ValueError(f"the cache already holds {cache.seq_len} tokens, over max_tokens={max_tokens}")
+        if cache._sink_k.is_inference() and not torch.is_inference_mode_enabled():
+            cache._map_batch(torch.clone)  # in-place writes outside inference mode need normal tensors
+        self.cache, self.max_tokens, self.step_tokens = cache, max_tokens, step_tokens
+        self.batch, self.num_kv_heads, self.head_dim = cache.batch, cache.num_kv_heads, cache.head_dim
+        self.device, self.dtype = cache.device, cache.dtype
+        self.w_sink, self.w_recent = cache.w_sink, cache.w_recent
+        self.keys = _StaticTensor(cache.key_store, cache.key_tail, cache.w_recent, step_tokens, max_tokens)
+        self.values = _StaticTensor(cache.value_store, cache.value_tail, cache.w_recent, step_tokens, max_tokens)
+        counts = cache.token_counts()
+        self.lengths = torch.tensor([counts[n] for n in LENGTH_NAMES], dtype=torch.int64, device=self.device)
+        self.sink_slots = torch.arange(self.w_sink, device=self.device)
+        self.key_norm = cache.key_norm
+        # the op's mask spans every token the buffers can hold; a caller's mask (>= max_tokens columns) is padded
+        stores = [t.store.cap + t.tail.shape[2] for t in (self.keys, self.values)]
+        self.mask_tokens = self.w_sink + min(stores)
+        # torch.compile(mode="reduce-overhead") captures a CUDA graph only if the state it mutates keeps its address
+        # (as transformers' StaticCache marks its buffers); without the mark it skips the graph for mutated inputs
+        for t in self._buffers():
+            torch._dynamo.mark_static_address(t)
+
+    def _buffers(self):
+        yield from (self.cache._sink_k, self.cache._sink_v, self.lengths)
+        for side in (self.keys, self.values):
+            st = side.store
+            yield from (t for t in (st.codes, st.scales, st.zeros) if t is not None)
+            yield from (side.tail, side.codes, side.scales, side.zeros)
+
+    def __repr__(self):
+        return f"StaticLayerCache({self.cache.config}, max_tokens={self.max_tokens}, step_tokens={self.step_tokens})"
+
+    # -- host reads (a device sync each): not for the captured step --------------------------------------------
+    def token_counts(self) -> dict[str, int]:
+        """Tokens in each part and the total (reads the device)."""
+        counts = dict(zip(LENGTH_NAMES, self.lengths.tolist(), strict=True))
+        counts["total"] = counts["sink"] + counts["key_quantized"] + counts["key_tail"]
+        return counts
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens held (reads the device)."""
+        return self.token_counts()["total"]
+
+    @property
+    def seq_len_tensor(self) -> torch.Tensor:
+        """Tokens held, as a 0-d device tensor (no sync)."""
+        return self.lengths[0] + self.lengths[1] + self.lengths[2]
+
+    # -- the decode step --------------------------------------------------------------------------------------
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        want = (self.batch, self.num_kv_heads, self.step_tokens, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must be [B, H_kv, step_tokens, D] = {list(want)}, got {list(t.shape)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{name} must be floating point, got {t.dtype}")
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append step_tokens new tokens' K/V [B, H_kv, step_tokens, D]: fixed-shape device ops only (module
+        docstring), so it can be captured in a CUDA graph."""
+        self._check_kv(k, v)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        n = self.step_tokens
+        S, mk, lk, mv, lv = self.lengths.unbind()
+        take = (self.w_sink - S).clamp(0, n)  # tokens that fill the sink (only while the stores and tails are empty)
+        if self.w_sink:
+            src_idx = self.sink_slots - S
+            fresh = (src_idx >= 0) & (src_idx < take)
+            src_idx = src_idx.clamp(0, n - 1)
+            sink_k, sink_v = self.cache._sink_k, self.cache._sink_v
+            sink_k.copy_(torch.where(fresh[:, None], k.index_select(2, src_idx), sink_k))
+            sink_v.copy_(torch.where(fresh[:, None], v.index_select(2, src_idx), sink_v))
+        rest = n - take
+        self.keys.write(k, take, lk, rest)
+        self.values.write(v, take, lv, rest)
+        k_out = self.keys.evict(lk + rest, mk, self.w_recent, self.cache._keys_to_store)
+        v_out = self.values.evict(lv + rest, mv, self.w_recent, None)
+        self.lengths.copy_(torch.stack([S + take, mk + k_out, lk + rest - k_out, mv + v_out, lv + rest - v_out]))
+
+    def fused_attention_operands(self) -> dict:
+        """ops.decode_attention_fused's keyword arguments (all but x and attn_mask) over the whole buffers, with
+        lengths: views only, no token count read."""
+        ks, vs = self.keys.store, self.values.store
+        kw = attention_operands(
+            self.cache._sink_k, self.cache._sink_v, ks, (ks.codes, ks.scales, ks.zeros), vs,
+            (vs.codes, vs.scales, vs.zeros), self.keys.tail, self.values.tail, self.key_norm,
+        )  # fmt: skip
+        return {**kw, "lengths": self.lengths}
+
+    def _mask(self, attn_mask: torch.Tensor | None, B: int, H_q: int, T: int) -> torch.Tensor | None:
+        # a caller's mask covers token positions 0 .. M - 1 with M >= max_tokens; the op's spans mask_tokens columns
+        if attn_mask is None:
+            return None
+        M = attn_mask.shape[-1] if attn_mask.dim() == 4 else -1
+        if M < self.max_tokens:
+            raise ValueError(
+                f"attn_mask must be [B or 1, H_q or 1, T={T}, M] with M >= max_tokens={self.max_tokens} (column j: "
+                f"token j), got shape {list(attn_mask.shape)}"
+            )
+        mask = _additive_mask(attn_mask, B, H_q, T, M)
+        if M < self.mask_tokens:  # columns past max_tokens are never tokens; the op needs them to exist
+            mask = torch.nn.functional.pad(mask, (0, self.mask_tokens - M))
+        return mask.contiguous()
+
+    def attention(self, q: torch.Tensor, scale: float | None = None, attn_mask: torch.Tensor | None = None):
+        """Decode attention of q [B, H_q, T, D] over the cache, as QuantizedLayerCache.attention (the T rows are the
+        last T tokens; causal among them unless attn_mask [B|1, H_q|1, T, M >= max_tokens] is given, bool True =
+        attend or additive float), with no host read: returns [B, H_q, T, D] in q.dtype."""
+        if q.dim() != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim or q.shape[1] % self.num_kv_heads:
+            raise ValueError(
+                f"q must be [B={self.batch}, H_q (a multiple of {self.num_kv_heads}), T, D={self.head_dim}], got "
+                f"{list(q.shape)}"
+            )
+        if q.device != self.device:
+            raise ValueError(f"q is on {q.device} but the cache is on {self.device}")
+        B, H_q, T, D = q.shape
+        scale = D**-0.5 if scale is None else float(scale)
+        x = q.to(torch.float32) * scale
+        kw = self.fused_attention_operands()
+        mask = self._mask(attn_mask, B, H_q, T)
+        # where the serving kernel does not take this call (so far: the lengths form on CUDA) the reference runs it:
+        # plain torch ops, capturable too, but it dequantizes the whole capacity every step
+        fast = ops.fused_attention_takes(q.device, D, device_lengths=True)
+        op = ops.decode_attention_fused if fast else reference.decode_attention_fused
+        return op(x, **kw, attn_mask=mask).to(q.dtype)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full (K, V) [B, H_kv, N, D] in fp32, as QuantizedLayerCache.dequantized (reads the device)."""
+        c = self.token_counts()
+        S, lk, lv = c["sink"], c["key_tail"], c["value_tail"]
+        kq = self.cache._keys_from_store(self.keys.store.dequantize(0, c["key_quantized"]))
+        vq = self.values.store.dequantize(0, c["value_quantized"])
+        k = torch.cat([self.cache._sink_k[:, :, :S].float(), kq, self.keys.tail[:, :, :lk].float()], dim=2)
+        v = torch.cat([self.cache._sink_v[:, :, :S].float(), vq, self.values.tail[:, :, :lv].float()], dim=2)
+        return k, v
