@@ -2,7 +2,7 @@
 in the same run.
 
     python bench/attention_step.py [--device cpu|cuda] [--tokens 1024 4096 ...] [--batch 1 8] [--presets ...]
-                                   [--q-len 1] [--json out.json]
+                                   [--q-len 1] [--no-steps] [--json out.json]
 
 Shape: Llama-3.1-8B's attention layer (32 query heads on 8 KV heads, head_dim 128), a cache prefilled with N random
 tokens (the quantized formats' windows as their presets set them). Rows per (preset, batch, N):
@@ -12,6 +12,14 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
 over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). "vs sdpa" is sdpa / row
 (> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.
+
+Whole decode steps (append one token + attention, the cache advancing every step), timed the same way for both rows
+(wall clock over STEP_COUNT consecutive steps, synchronized at the end, so host work counts):
+  dynamic step   QuantizedLayerCache.append + decode_attention as generate() runs them (host decisions, new shapes)
+  static step    kvkernels.StaticLayerCache: the step captured once in a CUDA graph and replayed (CPU: run eagerly)
+"static / dynamic" < 1 means the graph-captured step is faster. Until the fused kernels take device lengths, the
+static step's attention is the PyTorch reference over the whole capacity (kvkernels/static_cache.py): those rows
+measure that, not the kernels.
 
 On CPU the fused op runs the PyTorch reference (dequantize everything, one softmax): CPU rows compare CPU code paths
 and say nothing about GPU speed. The GPU numbers are what this script is for (bench/gpu_verify.sh runs it).
@@ -27,8 +35,10 @@ import torch
 from kvkernels import bench
 from kvkernels.attention import decode_attention
 from kvkernels.formats import PRESETS, make_layer_cache
+from kvkernels.static_cache import StaticLayerCache
 
 H_Q, H_KV, D = 32, 8, 128
+STEP_COUNT = 64  # decode steps per timing of the whole-step rows
 
 
 def build_cache(preset: str, batch: int, n: int, device, seed: int):
@@ -60,6 +70,52 @@ def time_fn(fn, sets, device) -> float:
     if device.type == "cuda":
         return bench.time_cuda(fn, sets)["us"]
     return bench.time_cpu(fn, sets, target_s=0.3)["us"]
+
+
+def _time_steps(step, device) -> float:
+    """us per step: wall clock over STEP_COUNT consecutive calls of step(), synchronized at the end."""
+    import time
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(STEP_COUNT):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / STEP_COUNT * 1e6
+
+
+def step_rows(preset: str, batch: int, n: int, q, device) -> tuple[float, float, float]:
+    """(dynamic us, static us, max |static - dynamic|) per decode step at n cached tokens (module docstring)."""
+    g = torch.Generator(device="cpu").manual_seed(n)
+    k_new = torch.randn(batch, H_KV, 1, D, generator=g).to(device, torch.float16)
+    v_new = torch.randn(batch, H_KV, 1, D, generator=g).to(device, torch.float16)
+    warm = 3
+    dyn = build_cache(preset, batch, n, device, seed=1)
+    static = StaticLayerCache(build_cache(preset, batch, n, device, seed=1), max_tokens=n + 2 * (STEP_COUNT + warm))
+    want = got = None
+
+    def dyn_step():
+        nonlocal want
+        dyn.append(k_new, v_new)
+        want = decode_attention(q, dyn)
+
+    def static_step():
+        nonlocal got
+        static.append(k_new, v_new)
+        got = static.attention(q)
+
+    for _ in range(warm):
+        dyn_step()
+        static_step()
+    err = (got.float() - want.float()).abs().max().item()
+    replay = static_step
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the step without running it
+            static_step()
+        replay = graph.replay
+    return _time_steps(dyn_step, device), _time_steps(replay, device), err
 
 
 def run(args) -> list[dict]:
@@ -102,6 +158,17 @@ def run(args) -> list[dict]:
                         flush=True,
                     )
                 del caches
+                if args.steps:
+                    dyn_us, static_us, err = step_rows(preset, batch, n, q, device)
+                    for path, us in (("dynamic step", dyn_us), ("static step", static_us)):
+                        rows.append({"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us})
+                    rows[-1]["static_vs_dynamic"] = static_us / dyn_us
+                    rows[-1]["max_abs_err_vs_dynamic"] = err
+                    print(
+                        f"N {n:>6} B {batch}: {preset:>14} step: dynamic {dyn_us:10.1f} us, static "
+                        f"{static_us:10.1f} us (static / dynamic {static_us / dyn_us:.2f}, max |diff| {err:.2e})",
+                        flush=True,
+                    )
     return rows
 
 
@@ -113,6 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--presets", nargs="+", default=["innerq_base", "kivi2"])
     p.add_argument("--q-len", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-decode-step rows")
     args = p.parse_args(argv)
     if args.tokens is None:
         args.tokens = [1024, 4096, 16384, 65536, 131072] if args.device.startswith("cuda") else [1024, 4096]
