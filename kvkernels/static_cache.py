@@ -139,6 +139,8 @@ class StaticLayerCache:
         for name, val in (("max_tokens", max_tokens), ("step_tokens", step_tokens)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if cache.seq_len == 0:  # the first write fixes what a format derives from the prompt (InnerQ's key norm)
+            raise ValueError("the cache is empty: prefill it (dynamically) before making it static")
         if cache.seq_len > max_tokens:
             raise ValueError(f"the cache already holds {cache.seq_len} tokens, over max_tokens={max_tokens}")
         if cache._sink_k.is_inference() and not torch.is_inference_mode_enabled():

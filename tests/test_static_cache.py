@@ -131,6 +131,8 @@ def test_errors():
     with pytest.raises(ValueError, match="cannot be made static"):
         StaticLayerCache(lattice, max_tokens=64)
     c = make_layer_cache(PRESETS["kivi2"], B, H_KV, D, capacity=64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="prefill it"):
+        StaticLayerCache(c, max_tokens=64)
     c.prefill(k, v)
     with pytest.raises(ValueError, match="max_tokens"):
         StaticLayerCache(c, max_tokens=10)
