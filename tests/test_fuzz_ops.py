@@ -604,6 +604,7 @@ def decode_attention_fused_cases(draw):
         "key_x_scale": x_scale,
         "attn_mask": mask,
         "split_tokens": draw(st.sampled_from((0, 0, group, 2 * group, 4 * group))),
+        "lengths": None,
     }
     case = Case("decode_attention_fused", args, draw(st.integers(0, 2**32 - 1)))
     bad = {"key_bits": BAD_BITS, "value_bits": BAD_BITS, "key_mode": BAD_MODES, "value_mode": BAD_MODES}
@@ -912,7 +913,7 @@ def _attention_cache64(sink, store, tail):
 def check_decode_attention_fused(
     x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
     value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, G, key_x_scale, attn_mask,
-    split_tokens, got, factorized=False,
+    split_tokens, lengths, got, factorized=False,
 ):  # fmt: skip
     """float64 softmax(x K^T + mask) V over the exact values of the fp32 operands, with the fp32 error propagated:
     each score is off by at most (D + 8) roundings of sum |x||k| (plus the mask add's); a logit perturbed by e_j
@@ -1190,6 +1191,7 @@ _ARG_NAMES = {
         "key_x_scale",
         "attn_mask",
         "split_tokens",
+        "lengths",  # the device-lengths form: tests/test_fused_attention.py (capacity buffers with junk)
     ),
 }
 

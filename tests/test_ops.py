@@ -129,7 +129,8 @@ def _attention_opcheck_cases():
     names = [a.name for a in torch.ops.kvkernels.decode_attention_fused.default._schema.arguments]
     x = torch.randn(1, 4, 2, 64, generator=g)
     mask = torch.randn(1, 1, 2, c.seq_len, generator=g)
-    args = tuple(x if n == "x" else mask if n == "attn_mask" else kw.get(n, 0) for n in names)
+    fixed = {"x": x, "attn_mask": mask, "split_tokens": 0, "lengths": None}
+    args = tuple(fixed[n] if n in fixed else kw[n] for n in names)
     return {"decode_attention_fused": (torch.ops.kvkernels.decode_attention_fused.default, args)}
 
 
