@@ -1105,7 +1105,8 @@ def attention_rows(kernels: list[Kernel]) -> list[AttnRow]:
     mk = attention_markers(ROOT / "csrc" / "cuda" / ATTN_SOURCE, ROOT / "csrc" / "kvkernels" / "quant.cuh")
     rows = []
     for k in kernels:
-        m = re.search(r"decode_attention_kernel<(\d+)>", k.name)
+        # the exact-size instantiation (the lengths form, <D, true>, differs only in where the counts come from)
+        m = re.search(r"decode_attention_kernel<(\d+), false>", k.name)
         if m is None or k.arch not in MACHINES:
             continue
         D = int(m.group(1))

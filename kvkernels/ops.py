@@ -91,14 +91,12 @@ CUDA_IMPL: dict[str, str] = {}
 CUDA_ATTENTION_HEAD_DIMS = (64, 128)
 
 
-def fused_attention_takes(device: torch.device, head_dim: int, device_lengths: bool = False) -> bool:
+def fused_attention_takes(device: torch.device, head_dim: int) -> bool:
     """Whether the decode_attention_fused kernel that serves `device` takes this call: the compiled CUDA kernel
     is instantiated for CUDA_ATTENTION_HEAD_DIMS, Triton and the reference take any head_dim (decode_attention
-    composes where the op would refuse); device_lengths (the lengths= form) is so far taken by the reference only
-    (kvkernels.static_cache calls the reference where this is False)."""
+    composes where the op would refuse, kvkernels.static_cache calls the reference). Every backend takes the
+    lengths= form."""
     impl = CUDA_IMPL.get("decode_attention_fused", "reference") if device.type == "cuda" else "reference"
-    if device_lengths and impl != "reference":
-        return False
     if impl == "cuda":
         return head_dim in CUDA_ATTENTION_HEAD_DIMS
     return True

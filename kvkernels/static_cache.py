@@ -15,9 +15,10 @@ cache (usually right after its prefill, which stays dynamic) and from then on
   to `lengths` and shifted out of the tail; writes past the committed count land in the store's slack and are
   overwritten later;
 * attends with ops.decode_attention_fused over the whole buffers and `lengths` (the op's device-lengths form), so
-  neither the step nor the op reads a token count on the host. So far only the reference implements that form (the
-  CUDA and Triton kernels raise NotImplementedError for it): on a GPU the static step is capturable but its attention
-  dequantizes the whole capacity every step; the kernels' support is the next step.
+  neither the step nor the op reads a token count on the host. Every backend takes that form: the CUDA and Triton
+  kernels plan their grid and splits for the capacities and read the counts in each CTA (splits past the used tokens
+  write an empty partial), so a replayed launch does the work of the tokens used; the reference dequantizes the
+  whole capacity (masks instead of slices). The CUDA head dims the compiled kernel refuses run the reference.
 
 The tokens and their quantization are exactly those of the dynamic cache fed the same K/V (tests/test_static_cache.py
 holds it to that, and checks that no op of a step reads a device value on the host). Formats: those whose attention
@@ -264,9 +265,9 @@ class StaticLayerCache:
         x = q.to(torch.float32) * scale
         kw = self.fused_attention_operands()
         mask = self._mask(attn_mask, B, H_q, T)
-        # where the serving kernel does not take this call (so far: the lengths form on CUDA) the reference runs it:
-        # plain torch ops, capturable too, but it dequantizes the whole capacity every step
-        fast = ops.fused_attention_takes(q.device, D, device_lengths=True)
+        # where the serving kernel does not take this head_dim the reference runs it: plain torch ops, capturable
+        # too, but it dequantizes the whole capacity every step
+        fast = ops.fused_attention_takes(q.device, D)
         op = ops.decode_attention_fused if fast else reference.decode_attention_fused
         return op(x, **kw, attn_mask=mask).to(q.dtype)
 

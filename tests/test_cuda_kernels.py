@@ -828,6 +828,28 @@ def test_decode_attention_fused_real_caches(preset, prompt, steps):
     torch.testing.assert_close(y2.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("pair", ["innerq", "kivi"])
+@pytest.mark.parametrize("split_tokens", [0, 32])
+def test_decode_attention_fused_device_lengths(pair, split_tokens):
+    # capacity buffers with NaN / random junk past the used tokens (tests/device_lengths.py), the counts on the
+    # device: equal to the exact-size call; the launch is planned for the capacities (many splits start past N)
+    from device_lengths import with_capacity
+
+    key, value = INNERQ_PAIRS[1] if pair == "innerq" else KIVI_PAIRS[1]
+    kw = _attn_operands(2, 2, 128, 1, 128, 96, 40, key, value, 32, torch.float16, pair == "innerq", seed=21)
+    kw = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    N = 1 + 128 + 40
+    x = torch.randn((2, 6, 3, 128), generator=_gen(8)) * 128**-0.5
+    for mask in (None, torch.randn((2, 1, 3, N), generator=_gen(9))):
+        exact = {**kw, "attn_mask": mask}
+        ref = reference.decode_attention_fused(x, **exact, split_tokens=split_tokens)
+        padded, lengths = with_capacity(exact, extra=(3, 64, 300, 128, 250))
+        dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in padded.items()}
+        op = torch.ops.kvkernels.decode_attention_fused
+        y = op(x.to(DEV), **dev, split_tokens=split_tokens, lengths=lengths.to(DEV))
+        torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_attention_fused_deterministic_and_errors():
     kw = _attn_operands(1, 1, 64, 0, 2048, 2048, 3, (2, "sym", "rows"), (2, "sym", "cols"), 64, torch.float16, True, 11)
     dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}

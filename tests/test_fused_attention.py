@@ -313,11 +313,11 @@ def test_cuda_default_path_equals_composed(preset, D):
         torch.testing.assert_close(c.attention(q, attn_mask=m).float(), want, rtol=2e-3, atol=2e-3)
 
 
-def test_only_the_reference_takes_device_lengths_so_far(monkeypatch):
-    # the CUDA and Triton kernels raise NotImplementedError for lengths=; callers (StaticLayerCache) ask first
+def test_which_kernel_takes_a_call(monkeypatch):
+    # the compiled CUDA kernel is built for head_dim 64 / 128; Triton and the reference take any (lengths= too)
     cuda = torch.device("cuda")
-    for impl, plain in (("cuda", True), ("triton", True), ("reference", True)):
+    for impl in ("cuda", "triton", "reference"):
         monkeypatch.setitem(ops.CUDA_IMPL, "decode_attention_fused", impl)
-        assert ops.fused_attention_takes(cuda, 128) is plain
-        assert ops.fused_attention_takes(cuda, 128, device_lengths=True) is (impl == "reference")
-    assert ops.fused_attention_takes(torch.device("cpu"), 96, device_lengths=True)
+        assert ops.fused_attention_takes(cuda, 128)
+        assert ops.fused_attention_takes(cuda, 96) is (impl != "cuda")
+    assert ops.fused_attention_takes(torch.device("cpu"), 96)

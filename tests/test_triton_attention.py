@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from device_lengths import with_capacity
 from triton_helpers import DEVICE, DTYPES, TRITON_MARK, gen, place, seed_for, tk
 
 from kvkernels import ops, reference
@@ -275,6 +276,49 @@ def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(common, "INTERPRETED", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         tk.decode_attention_fused(x, **args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device lengths (static caches): capacity buffers with junk past the used tokens (NaN windows, scales and mask
+# columns, random codes), the counts in an int64 tensor; the launch is planned for the capacities, so with large
+# extras many splits start past N and must write an empty partial the merge ignores
+
+LENGTH_CASES = {
+    # case in CASES, extra tokens per part (sink, key store, key tail, value store, value tail), split_tokens
+    "innerq-xs-gqa3-splitG": ("innerq-k3sym-v2hyb-xs-S5-T3-gqa3-fp32-causal-splitG", (3, 64, 5, 64, 7), 32),
+    "innerq-add-planned-long-tails": ("innerq-k4asym-v1sym-S0-T1-D128-fp16-add-split2G", (2, 40, 300, 64, 250), 0),
+    "kivi-bool-splitG-many-empty": ("kivi-b1-b2-S1-T3-gqa3-fp32-bool-split2G-vstore0", (4, 96, 200, 17, 300), 32),
+    "cols-G64-planned": ("innerq-k1hyb-v4hyb-xs-S1-T3-gqa3-G64-bf16-bool-planned", (0, 3, 9, 128, 70), 0),
+    "empty-stores-sink-only": ("kivi-sink-only-S5-T3-fp16-bool", (1, 64, 40, 32, 33), 32),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LENGTH_CASES)
+def test_device_lengths_equal_the_exact_sizes(name):
+    case, extra, split = LENGTH_CASES[name]
+    x, args, N, mask_kind, _ = _case_inputs(case)
+    B, H_q, T, _ = x.shape
+    exact = {k: _cpu(v) for k, v in args.items()}
+    exact["attn_mask"] = _mask(mask_kind, B, H_q, T, N, seed_for(name))
+    want = reference.decode_attention_fused(x, **exact, split_tokens=split)
+    padded, lengths = with_capacity(exact, extra=extra, seed=seed_for(name))
+    padded = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in padded.items()}
+    y = tk.decode_attention_fused(x.to(DEVICE), **padded, split_tokens=split, lengths=lengths.to(DEVICE))
+    _check(y, want, _values(args))
+
+
+def test_device_lengths_out_of_range_are_clamped():
+    # counts past a buffer, negative or zero cannot be checked without a sync: clamped, never read out of bounds
+    x, args, N, _, _ = _case_inputs("kivi-b4-b3-S5-T1-D128-G64-bf16-add-splitG")
+    exact = {k: _cpu(v) for k, v in args.items()}
+    padded, lengths = with_capacity(exact, extra=(3, 64, 5, 64, 7), fill=0.0)
+    padded = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in padded.items()}
+    for bad in ([10**9] * 5, [-5, 3, 0, 7, 2], [1, 0, 0, 0, 0]):
+        lengths = torch.tensor(bad, device=DEVICE)
+        y = tk.decode_attention_fused(x.to(DEVICE), **padded, split_tokens=64, lengths=lengths)
+        want = reference.decode_attention_fused(x, **{k: _cpu(v) for k, v in padded.items()}, split_tokens=64,
+                                                lengths=lengths.cpu())  # fmt: skip
+        torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -148,6 +148,7 @@ def _attention_split_kernel(
     vt_ptr,
     xs_ptr,  # fp32 [H_kv, D] (unused unless HAS_XS)
     mask_ptr,  # fp32 [B|1, H_q|1, T, N] (unused unless HAS_MASK)
+    len_ptr,  # int64 [5] tokens used of sink, key store, key tail, value store, value tail (unused unless HAS_LEN)
     out_ptr,  # fp32 [B * H_q * T, D] (one split) or the workspace o [splits, B * H_q * T, D]
     m_ptr,  # fp32 [splits, B * H_q * T] (unused for one split)
     l_ptr,
@@ -157,9 +158,11 @@ def _attention_split_kernel(
     T,
     R,  # query rows per KV head: (H_q / H_kv) * T
     n_rb,  # row blocks per KV head
-    S,
+    S,  # HAS_LEN: this and the next four are the buffers' capacities
     mk,
     mv,
+    lk,  # key / value tail tokens (read only with HAS_LEN)
+    lv,
     N,
     D,
     per_split,  # tokens per split after the sink, a multiple of BN
@@ -188,6 +191,7 @@ def _attention_split_kernel(
     GROUP: tl.constexpr,
     HAS_XS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_LEN: tl.constexpr,  # device lengths: the counts come from len_ptr, each clamped into its buffer
     SPLIT: tl.constexpr,  # several splits: write (m, l, o) partials, else the normalized output
     RB: tl.constexpr,  # query rows per program, >= 16
     BN: tl.constexpr,  # tokens per tile, a multiple of 32 dividing GROUP
@@ -196,6 +200,18 @@ def _attention_split_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     sp = tl.program_id(1)
+    if HAS_LEN:  # the reference's rule: clamp into [0, capacity], a "cols" store to whole groups, N the shorter side
+        # (clamped in int64, then int32 as the capacities are: 64-bit counts cost the InnerQ tiles a spill on sm_90)
+        S = tl.minimum(tl.maximum(tl.load(len_ptr + 0), 0), S).to(tl.int32)
+        mk = tl.minimum(tl.maximum(tl.load(len_ptr + 1), 0), mk).to(tl.int32)
+        lk = tl.minimum(tl.maximum(tl.load(len_ptr + 2), 0), lk).to(tl.int32)
+        mv = tl.minimum(tl.maximum(tl.load(len_ptr + 3), 0), mv).to(tl.int32)
+        lv = tl.minimum(tl.maximum(tl.load(len_ptr + 4), 0), lv).to(tl.int32)
+        if KCOLS:
+            mk = mk - mk % GROUP
+        if VCOLS:
+            mv = mv - mv % GROUP
+        N = S + tl.minimum(mk + lk, mv + lv)
     rb = pid % n_rb
     b, h_kv, h_q, t, q_ok = gqa_query_rows(pid // n_rb, H_kv, R, T, rb * RB, RB)
     c = tl.arange(0, DP)
@@ -210,7 +226,8 @@ def _attention_split_kernel(
         mask_rows = b * sm_b + h_q * sm_h + t * sm_t  # [RB] int64
     last = N - T + t  # [RB] the last token each row sees (causal)
 
-    # the split's tokens: [lo, hi), tiles starting at S + multiples of BN (split 0 from the first sink tile)
+    # the split's tokens: [lo, hi), tiles starting at S + multiples of BN (split 0 from the first sink tile); with
+    # device lengths the splits are planned for the capacities, and one past N is empty: it writes m = -inf, l = 0
     sink_tiles = tl.where(sp == 0, (S + BN - 1) // BN, 0)
     lo = S + sp * per_split - sink_tiles * BN
     hi = tl.minimum(S + (sp + 1) * per_split, N)
@@ -342,25 +359,22 @@ def decode_attention_fused(
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(x K^T + mask) V over one layer's sink | quantized store | tail: fp32 [B, H_q, T, D] (module
-    docstring; spec kvkernels/reference/attention.py). The device-lengths form (lengths=) is not in this kernel yet:
-    NotImplementedError (kvkernels.ops.fused_attention_takes sends callers to the reference)."""
+    docstring; spec kvkernels/reference/attention.py). lengths= (int64 [5] on the device): the parts are capacity
+    buffers, each program reads the counts, and the launch depends on the capacities alone (CUDA-graph replayable)."""
     args = (
         x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
         key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
         key_x_scale, attn_mask, split_tokens, lengths,
     )  # fmt: skip
     _validate.check_decode_attention_fused(*args)
-    if lengths is not None:
-        raise NotImplementedError(
-            "kvkernels.decode_attention_fused: the Triton kernel does not take device-side lengths yet; "
-            "kvkernels.reference.decode_attention_fused does (plain torch ops, CUDA-graph capturable)"
-        )
     check_device("decode_attention_fused", x)
     B, H_q, T, D = x.shape
     H_kv, S = sink_keys.shape[1], sink_keys.shape[2]
     mk = _validate.store_token_count(key_codes, key_bits, key_layout)
     mv = _validate.store_token_count(value_codes, value_bits, value_layout)
-    N = S + mk + key_tail.shape[2]
+    lk, lv = key_tail.shape[2], value_tail.shape[2]
+    # with lengths these are capacities and N the most tokens the buffers hold: the plan below depends on them alone
+    N = S + min(mk + lk, mv + lv)
     if B * H_q * T * D == 0:
         return torch.zeros((B, H_q, T, D), dtype=torch.float32, device=x.device)
 
@@ -399,8 +413,8 @@ def decode_attention_fused(
         _attention_split_kernel[(B * H_kv * n_rb, splits)](
             x, sink_keys, sink_values,
             key_codes, key_scales.view(torch.int16), kz, value_codes, value_scales.view(torch.int16), vz,
-            key_tail, value_tail, xs, mask, o_ws, m_ws, l_ws,
-            H_q, H_kv, T, R, n_rb, S, mk, mv, N, D, per_split, n_rows,
+            key_tail, value_tail, xs, mask, lengths if lengths is not None else x, o_ws, m_ws, l_ws,
+            H_q, H_kv, T, R, n_rb, S, mk, mv, lk, lv, N, D, per_split, n_rows,
             *x.stride()[:3], *sink_keys.stride()[:3], *sink_values.stride()[:3],
             *key_codes.stride()[:3], *key_scales.stride()[:3], *kz.stride()[:3],
             *value_codes.stride()[:3], *value_scales.stride()[:3], *vz.stride()[:3],
@@ -408,6 +422,7 @@ def decode_attention_fused(
             KBITS=key_bits, KMODE=_MODES[key_mode], KCOLS=key_layout == "cols",
             VBITS=value_bits, VMODE=_MODES[value_mode], VCOLS=value_layout == "cols",
             GROUP=group_size, HAS_XS=key_x_scale is not None, HAS_MASK=attn_mask is not None,
+            HAS_LEN=lengths is not None,
             SPLIT=splits > 1, RB=rb, BN=bn, DP=dp, PREC=DOT_PRECISION,
             num_warps=NUM_WARPS,
         )  # fmt: skip

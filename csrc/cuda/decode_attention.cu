@@ -22,6 +22,11 @@
 // A single split writes out = acc / l; several write (acc, m, l) per (row, split) to the workspace and
 // merge_splits_kernel combines them by log-sum-exp in split order (deterministic).
 //
+// Device lengths (p.lengths, static caches): the windows and stores are capacity buffers; the grid, the splits and the
+// workspace are planned for the capacities (so a CUDA graph replays one launch as the cache grows), and every CTA
+// reads the five counts from device memory (token_counts) and runs the same loop over them; splits that start past
+// N write a neutral partial.
+//
 // Numerics: fp32 everywhere (scores, softmax, accumulation); dequantization s * u + zeff in fp32 (FMA), as
 // dequantize_groups. Error vs the fp64 reference: ~1e-6 relative in the emulator (libm expf);
 // on a GPU --use_fast_math makes expf __expf (not yet measured: the GPU tests allow 1e-4 of max|V|).
@@ -74,7 +79,8 @@ __device__ __forceinline__ const T* at_offset(const T* base, int64_t off) {
   return base != nullptr ? base + off : nullptr;
 }
 
-__device__ __forceinline__ Side resolve(const AttnWindow& sink, const AttnWindow& tail, const AttnStore& st,
+// m: the store's tokens used (st.m, or the count read from device lengths)
+__device__ __forceinline__ Side resolve(const AttnWindow& sink, const AttnWindow& tail, const AttnStore& st, int64_t m,
                                         XDtype dt, int64_t b, int64_t hk, const float* xs) {
   const int64_t esz = dt == XDtype::kF32 ? 4 : 2;
   Side s;
@@ -88,7 +94,7 @@ __device__ __forceinline__ Side resolve(const AttnWindow& sink, const AttnWindow
   s.c_sr = st.c_sr;
   s.s_sr = st.s_sr;
   s.z_sr = st.z_sr;
-  s.m = st.m;
+  s.m = m;
   s.bits = st.bits;
   s.mode = st.mode;
   s.cols = st.layout == StoreLayout::kCols;
@@ -181,6 +187,35 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The token counts a CTA attends over: the params' own, or (kDevLengths) the counts read from device memory, each
+// clamped into its buffer (the params' counts are then capacities), a "cols" store's rounded down to whole groups,
+// N = S + min(mk + lk, mv + lv): the reference's rule, so lengths that break the contract never read outside a
+// buffer. A template flag rather than a runtime branch: the exact-size kernel keeps its counts in the constant bank
+// (the code make sass-budget reads and gates is the same as without the lengths form).
+struct TokenCounts {
+  int64_t S, mk, mv, N;
+};
+
+__device__ __forceinline__ int64_t clamp_count(const int64_t* len, int i, int64_t cap) {
+  return min(max(__ldg(len + i), int64_t{0}), cap);
+}
+
+template <bool kDevLengths>
+__device__ __forceinline__ TokenCounts token_counts(const DecodeAttentionParams& p) {
+  if constexpr (!kDevLengths) return {p.sink_k.n, p.keys.m, p.values.m, p.N};
+  const int64_t G = p.group_size;
+  TokenCounts c;
+  c.S = clamp_count(p.lengths, 0, p.sink_k.n);
+  c.mk = clamp_count(p.lengths, 1, p.keys.m);
+  const int64_t lk = clamp_count(p.lengths, 2, p.tail_k.n);
+  c.mv = clamp_count(p.lengths, 3, p.values.m);
+  const int64_t lv = clamp_count(p.lengths, 4, p.tail_v.n);
+  if (p.keys.layout == StoreLayout::kCols) c.mk -= c.mk % G;
+  if (p.values.layout == StoreLayout::kCols) c.mv -= c.mv % G;
+  c.N = c.S + min(c.mk + lk, c.mv + lv);
+  return c;
+}
+
 struct AttnLaunch {
   int64_t C;         // tokens per split past the sink
   int num_splits;
@@ -190,7 +225,7 @@ struct AttnLaunch {
 
 // min blocks 3 (<= 170 registers: 3 CTAs / SM, 132 KB of shared memory): with the thread count alone ptxas capped
 // D = 64 at 128 registers and spilled; with min blocks 1 it took 185 at D = 128 (2 CTAs / SM)
-template <int D>
+template <int D, bool kDevLengths>
 __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
   extern __shared__ __align__(16) float smem[];
   constexpr int P = tile_pitch(D);
@@ -207,16 +242,18 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   const int64_t bh = blockIdx.x / static_cast<unsigned>(L.row_blocks);
   const int64_t b = bh / p.H_kv, hk = bh % p.H_kv;
   const int split = blockIdx.y;
-  const int64_t T = p.T, N = p.N, S = p.sink_k.n;
+  const TokenCounts cnt = token_counts<kDevLengths>(p);
+  const int64_t T = p.T, N = cnt.N, S = cnt.S;
   const int R = L.gq * static_cast<int>(T);
   const int r0 = rb * kRows, nr = min(kRows, R - r0);
   const int G = p.group_size;
 
-  const Side sk = resolve(p.sink_k, p.tail_k, p.keys, p.window_dtype, b, hk,
+  const Side sk = resolve(p.sink_k, p.tail_k, p.keys, cnt.mk, p.window_dtype, b, hk,
                           p.key_x_scale != nullptr ? p.key_x_scale + hk * p.xs_sh : nullptr);
-  const Side sv = resolve(p.sink_v, p.tail_v, p.values, p.window_dtype, b, hk, nullptr);
+  const Side sv = resolve(p.sink_v, p.tail_v, p.values, cnt.mv, p.window_dtype, b, hk, nullptr);
 
-  // token range of the split
+  // token range of the split (with device lengths the grid is planned for the capacities: a split past N is empty and
+  // writes the neutral partial m = -inf, l = 0, which the merge skips)
   const int64_t lo = split == 0 ? 0 : S + split * L.C;
   const int64_t hi = min(N, S + (split + 1) * L.C);
 
@@ -394,20 +431,25 @@ struct AttnPlan {
 // device's occupancy, shared with the binding's workspace sizing.
 AttnPlan plan_attention(const DecodeAttentionParams& p) {
   AttnPlan pl{};
+  const bool dev = p.lengths != nullptr;
   switch (p.D) {
-    case 64: pl.fn = decode_attention_kernel<64>; break;
-    case 128: pl.fn = decode_attention_kernel<128>; break;
+    case 64: pl.fn = dev ? decode_attention_kernel<64, true> : decode_attention_kernel<64, false>; break;
+    case 128: pl.fn = dev ? decode_attention_kernel<128, true> : decode_attention_kernel<128, false>; break;
     default: pl.error = "unsupported head_dim (supported: 64, 128)"; return pl;
   }
   pl.smem_bytes = smem_floats(p.D) * static_cast<int>(sizeof(float));
   const int G = p.group_size;
   const int64_t S = p.sink_k.n;
-  if (p.B < 1 || p.H_kv < 1 || p.H_q % p.H_kv != 0 || p.T < 1 || p.T > p.N || G <= 0 || G % 32 != 0) {
+  // device lengths: the counts are capacities and T > N is the caller's (unspecified, never out of bounds)
+  if (p.B < 1 || p.H_kv < 1 || p.H_q % p.H_kv != 0 || p.T < 1 || (!dev && p.T > p.N) || G <= 0 || G % 32 != 0) {
     pl.error = "inconsistent sizes";
     return pl;
   }
-  if (p.sink_v.n != S || S + p.keys.m + p.tail_k.n != p.N || S + p.values.m + p.tail_v.n != p.N) {
-    pl.error = "sink / store / tail token counts do not add up to N for keys and values";
+  const bool adds_up = dev ? p.N == S + std::min(p.keys.m + p.tail_k.n, p.values.m + p.tail_v.n)
+                           : S + p.keys.m + p.tail_k.n == p.N && S + p.values.m + p.tail_v.n == p.N;
+  if (p.sink_v.n != S || !adds_up) {
+    pl.error = dev ? "N must be the most tokens the capacity buffers hold (device lengths)"
+                   : "sink / store / tail token counts do not add up to N for keys and values";
     return pl;
   }
   for (const AttnStore* st : {&p.keys, &p.values}) {
@@ -437,7 +479,7 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   pl.launch.gq = static_cast<int>(gq);
   pl.launch.row_blocks = static_cast<int>(ceil_div(R, kRows));
   const int64_t ctas = p.B * p.H_kv * pl.launch.row_blocks;
-  const int64_t tokens = p.N - S;  // past the sink
+  const int64_t tokens = p.N - S;  // past the sink (device lengths: the most there can be)
   int64_t C = p.split_tokens;
   if (C == 0) {
     int occ = 0;

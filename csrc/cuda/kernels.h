@@ -210,7 +210,7 @@ struct DecodeAttentionParams {
   float* out;                 // [B, H_q, T, D] fp32
   float* workspace;           // split partials, >= decode_attention_workspace_floats(*this) floats (nullptr if 0)
   int64_t workspace_floats;   // size of `workspace`, checked by the launcher
-  int64_t B, H_q, H_kv, T, N;  // N = S + keys.m + tail_k.n = S + values.m + tail_v.n
+  int64_t B, H_q, H_kv, T, N;  // N = S + keys.m + tail_k.n = S + values.m + tail_v.n (lengths: below)
   int D;                      // head_dim: 64 or 128
   int group_size;             // G, a positive multiple of 32 (rows layout: dividing D)
   int64_t split_tokens;       // tokens per split-KV chunk (multiple of G), 0 = planned; never changes the math
@@ -219,6 +219,12 @@ struct DecodeAttentionParams {
   int64_t xs_sh;              // key_x_scale row stride
   int64_t m_sb, m_sh, m_st;   // mask strides (0 for a broadcast batch / head dim)
   int64_t o_sb, o_sh, o_st;   // out strides
+  // Device-side lengths (static caches, CUDA graphs): int64 [5] in device memory, the tokens used of (sink, key
+  // store, key tail, value store, value tail), or nullptr. When set, sink_k.n / keys.m / tail_k.n / values.m /
+  // tail_v.n above are the buffers' capacities, N = S_cap + min(mk_cap + lk_cap, mv_cap + lv_cap), and the launch
+  // (grid, splits, workspace) depends on those alone; each CTA reads the counts, clamps each into [0, capacity] (a
+  // "cols" store's down to a multiple of G) and takes N = S + min(mk + lk, mv + lv) (the reference's rule).
+  const int64_t* lengths;
 };
 
 // fp32 workspace the launcher needs (0 with a single split). Deterministic in the params.

@@ -690,11 +690,8 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
   check_cuda(op, "value_tail", value_tail, device);
   if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
   if (attn_mask.has_value()) check_cuda(op, "attn_mask", *attn_mask, device);
-  // not yet in the kernel (it would read the counts in each CTA and plan from the capacities); until then the device-
-  // lengths form is served by the reference, which kvkernels.ops.fused_attention_takes points callers to
-  TORCH_CHECK_NOT_IMPLEMENTED(!z.device_lengths, "kvkernels.", op, ": the CUDA kernel does not take device-side ",
-                              "lengths yet; kvkernels.reference.decode_attention_fused does (plain torch ops, CUDA-graph ",
-                              "capturable)");
+  // device lengths: the counts stay on the device (read by each CTA); the launch is planned for the capacities
+  if (lengths.has_value()) check_cuda(op, "lengths", *lengths, device);
   TORCH_CHECK_VALUE(z.D == 64 || z.D == 128, "kvkernels.", op, ": the CUDA kernel takes head_dim in (64, 128), got ",
                     z.D, "; kvkernels.reference.decode_attention_fused computes any head_dim");
 
@@ -728,6 +725,7 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
   p.num_sms = num_sms();
   p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = x.stride(2);
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_st = out.stride(2);
+  p.lengths = lengths.has_value() ? lengths->const_data_ptr<int64_t>() : nullptr;
   const int64_t ws_floats = kvk::decode_attention_workspace_floats(p);
   at::Tensor ws;
   if (ws_floats > 0) {

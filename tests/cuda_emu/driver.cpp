@@ -587,6 +587,11 @@ struct AttnCase {
   int num_sms = 4;
   int64_t expect_splits = -1;  // >= 0: the plan must make this many splits
   cudaError_t expect = cudaSuccess;
+  // device lengths: every part becomes a capacity buffer with extra[i] junk tokens (sink, key store, key tail, value
+  // store, value tail; a "cols" store's a multiple of G, a store's <= 64): NaN windows, mask columns and scales /
+  // zeros everywhere outside the used tokens, random codes; p.lengths holds the used counts. Must equal the exact form.
+  bool dev_lengths = false;
+  int64_t extra[5] = {3, 64, 5, 64, 7};
 };
 
 struct AttnStoreBuf {
@@ -640,6 +645,34 @@ struct AttnWindowBuf {
   AttnWindow w{};
 };
 
+// Device lengths: NaN in every scale / zero of a store outside its first `used` tokens (row padding included), and the
+// store's m set to its capacity used + extra (the buffer holds used + 64 tokens).
+static void junk_store(AttnStoreBuf& sb, int64_t B, int64_t H, int D, int G, int64_t used, int64_t extra) {
+  AttnStore& st = sb.st;
+  const bool rows = st.layout == StoreLayout::kRows;
+  const int64_t nrow = rows ? used : D, ngrp = rows ? D / G : used / G;  // the used (row, group) block
+  for (Buf<uint16_t>* buf : {sb.sc.get(), sb.ze.get()}) {
+    const uint16_t* base = buf == sb.sc.get() ? st.scales : sb.ze->p + 1;
+    std::vector<char> keep(buf->n, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < nrow; ++r)
+          for (int64_t g = 0; g < ngrp; ++g) keep[(base - buf->p) + b * st.s_sb + h * st.s_sh + r * st.s_sr + g] = 1;
+    for (size_t i = 0; i < buf->n; ++i)
+      if (!keep[i]) buf->p[i] = 0x7e00;  // fp16 NaN
+  }
+  st.m = used + extra;
+}
+
+// Device lengths: tokens [n_used, capacity) of a window set to NaN
+static void junk_window(AttnWindowBuf& wb, int64_t B, int64_t H, int64_t n_used, int D, XDtype dt) {
+  float dummy;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = n_used; t < wb.w.n; ++t)
+        for (int c = 0; c < D; ++c) store_x(wb.buf.data(), dt, 1 + b * wb.w.sb + h * wb.w.sh + t * wb.w.st + c, NAN, dummy);
+}
+
 // [B, H, n, D] of dtype dt with token stride D + 5, head stride n * (D + 5) + 7 (values in [-1, 1])
 static AttnWindowBuf make_window(int64_t B, int64_t H, int64_t n, int D, XDtype dt) {
   AttnWindowBuf wb;
@@ -657,26 +690,39 @@ void attn_case(const AttnCase& a) {
   const int D = a.D, G = a.G;
   const int64_t ntv = a.mk + a.ntk - a.mv, N = S + a.mk + a.ntk;
   assert(ntv >= 0);
-  AttnWindowBuf sk = make_window(B, H_kv, S, D, a.dt), sv = make_window(B, H_kv, S, D, a.dt);
-  AttnWindowBuf tk = make_window(B, H_kv, a.ntk, D, a.dt), tv = make_window(B, H_kv, ntv, D, a.dt);
+  const bool dev = a.dev_lengths;
+  const int64_t ex[5] = {dev ? a.extra[0] : 0, dev ? a.extra[1] : 0, dev ? a.extra[2] : 0, dev ? a.extra[3] : 0,
+                         dev ? a.extra[4] : 0};
+  AttnWindowBuf sk = make_window(B, H_kv, S + ex[0], D, a.dt), sv = make_window(B, H_kv, S + ex[0], D, a.dt);
+  AttnWindowBuf tk = make_window(B, H_kv, a.ntk + ex[2], D, a.dt), tv = make_window(B, H_kv, ntv + ex[4], D, a.dt);
   AttnStoreBuf ks = make_store(B, H_kv, D, G, a.mk, a.kbits, a.kmode, a.klay);
   AttnStoreBuf vs = make_store(B, H_kv, D, G, a.mv, a.vbits, a.vmode, a.vlay);
+  const AttnStore ks_used = ks.st, vs_used = vs.st;  // the reference reads the used tokens through these
+  // the most tokens the buffers hold (the launch's N with device lengths) and the mask's width
+  const int64_t n_cap = S + ex[0] + std::min(a.mk + ex[1] + a.ntk + ex[2], a.mv + ex[3] + ntv + ex[4]);
+  const int64_t lengths[5] = {S, a.mk, a.ntk, a.mv, ntv};
+  if (dev) {
+    junk_window(sk, B, H_kv, S, D, a.dt), junk_window(sv, B, H_kv, S, D, a.dt);
+    junk_window(tk, B, H_kv, a.ntk, D, a.dt), junk_window(tv, B, H_kv, ntv, D, a.dt);
+    junk_store(ks, B, H_kv, D, G, a.mk, ex[1]), junk_store(vs, B, H_kv, D, G, a.mv, ex[3]);
+  }
   const int64_t xs_sh = D + 3;
   Buf<float> xsc(H_kv * xs_sh);
   for (size_t i = 0; i < xsc.n; ++i) xsc.p[i] = 0.5f + std::fabs(frand());
   const int64_t x_st = D + 4, x_sh = T * x_st + 4, x_sb = H_q * x_sh + 8;
   Buf<float> x(B * x_sb);
   for (size_t i = 0; i < x.n; ++i) x.p[i] = 0.4f * frand();
-  // mask [1 (broadcast), H_q, T, N] with row stride N + 2
-  const int64_t m_st = N + 2, m_sh = T * m_st;
+  // mask [1 (broadcast), H_q, T, N or n_cap] with row stride + 2; device lengths: NaN past N
+  const int64_t m_st = (dev ? n_cap : N) + 2, m_sh = T * m_st;
   Buf<float> mask(H_q * m_sh);
   for (int64_t h = 0; h < H_q; ++h)
     for (int64_t t = 0; t < T; ++t) {
       float* row = mask.p + h * m_sh + t * m_st;
       const bool all_min = a.mask_kind == 2 && h == H_q - 1 && t == 0;
-      for (int64_t j = 0; j < N + 2; ++j) {
+      for (int64_t j = 0; j < m_st; ++j) {
         const int r = rng() % 4;
         row[j] = all_min ? -std::numeric_limits<float>::max() : r == 0 ? -INFINITY : r == 1 ? -0.5f * std::fabs(frand()) : 0.f;
+        if (dev && j >= N) row[j] = NAN;
       }
       if (!all_min) row[rng() % N] = 0.f;  // at least one finite score per row
     }
@@ -689,7 +735,8 @@ void attn_case(const AttnCase& a) {
   p.key_x_scale = a.xscale ? xsc.p : nullptr;
   p.mask = a.mask_kind ? mask.p : nullptr;
   p.out = out.p;
-  p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.N = N; p.D = D; p.group_size = G;
+  p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.N = dev ? n_cap : N; p.D = D; p.group_size = G;
+  p.lengths = dev ? lengths : nullptr;
   p.split_tokens = a.split_tokens; p.num_sms = a.num_sms;
   p.x_sb = x_sb; p.x_sh = x_sh; p.x_st = x_st; p.xs_sh = xs_sh;
   p.m_sb = 0; p.m_sh = m_sh; p.m_st = m_st;
@@ -701,9 +748,10 @@ void attn_case(const AttnCase& a) {
   const cudaError_t e = launch_decode_attention_fused(p, nullptr);
   res.cases++;
   char tag[256];
-  snprintf(tag, sizeof tag, "attn B%ld Hq%ld Hkv%ld T%ld D%d G%d S%ld mk%ld mv%ld nkt%ld k%d%c%c v%d%c%c xs%d dt%d mask%d split%ld sms%d",
+  snprintf(tag, sizeof tag, "attn B%ld Hq%ld Hkv%ld T%ld D%d G%d S%ld mk%ld mv%ld nkt%ld k%d%c%c v%d%c%c xs%d dt%d mask%d split%ld sms%d%s",
            B, H_q, H_kv, T, D, G, S, a.mk, a.mv, a.ntk, a.kbits, "sah"[(int)a.kmode], "rc"[(int)a.klay], a.vbits,
-           "sah"[(int)a.vmode], "rc"[(int)a.vlay], (int)a.xscale, (int)a.dt, a.mask_kind, (long)a.split_tokens, a.num_sms);
+           "sah"[(int)a.vmode], "rc"[(int)a.vlay], (int)a.xscale, (int)a.dt, a.mask_kind, (long)a.split_tokens, a.num_sms,
+           dev ? " dev-lengths" : "");
   if (a.expect != cudaSuccess) {
     long touched = 0;
     for (size_t i = 0; i < out.n; ++i) touched += !std::isnan(out.p[i]);
@@ -732,9 +780,9 @@ void attn_case(const AttnCase& a) {
             k = sk.exact[1 + b * sk.w.sb + hk * sk.w.sh + j * sk.w.st + c];
             v = sv.exact[1 + b * sv.w.sb + hk * sv.w.sh + j * sv.w.st + c];
           } else {
-            if (j < S + a.mk) k = store_value(ks.st, G, b, hk, j - S, c) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
+            if (j < S + a.mk) k = store_value(ks_used, G, b, hk, j - S, c) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
             else k = tk.exact[1 + b * tk.w.sb + hk * tk.w.sh + (j - S - a.mk) * tk.w.st + c];
-            if (j < S + a.mv) v = store_value(vs.st, G, b, hk, j - S, c);
+            if (j < S + a.mv) v = store_value(vs_used, G, b, hk, j - S, c);
             else v = tv.exact[1 + b * tv.w.sb + hk * tv.w.sh + (j - S - a.mv) * tv.w.st + c];
           }
           K[j * D + c] = k, V[j * D + c] = v;
@@ -829,6 +877,21 @@ void attn_cases() {
   // no store at all (window only), and T = N
   { AttnCase a; a.mk = 0; a.mv = 0; a.ntk = 11; a.S = 1; a.T = 3; a.split_tokens = 32; attn_case(a); }
   { AttnCase a; a.mk = 32; a.mv = 0; a.ntk = 0; a.S = 0; a.T = 32; a.H_q = 2; a.H_kv = 2; a.B = 1; attn_case(a); }
+  // device lengths (capacity buffers with NaN junk past the used tokens, counts read by the kernel): InnerQ and KIVI
+  // layouts, planned and explicit splits (splits past N are empty: their neutral partial must not disturb the merge),
+  // a used sink of 0 in a sink buffer of 3, an empty used store, masks, GQA over two row blocks
+  { AttnCase a; a.dev_lengths = true; a.S = 1; a.mk = 96; a.mv = 64; a.ntk = 5; a.kbits = 3; a.vbits = 2;
+    a.xscale = true; a.split_tokens = 32; a.T = 3; a.H_q = 6; a.mask_kind = 1; attn_case(a); }
+  { AttnCase a; a.dev_lengths = true; a.S = 5; a.mk = 64; a.mv = 96; a.ntk = 45; a.kbits = 2; a.vbits = 4;
+    a.kmode = a.vmode = QM::kAsym; a.klay = SL::kCols; a.vlay = SL::kRows; a.D = 128; a.G = 32;
+    a.extra[2] = 300; a.extra[4] = 250; a.split_tokens = 32; a.dt = XDtype::kBF16; attn_case(a); }
+  { AttnCase a; a.dev_lengths = true; a.S = 0; a.mk = 0; a.mv = 0; a.ntk = 9; a.T = 2; a.split_tokens = 0;
+    a.num_sms = 64; a.extra[2] = 600; a.extra[4] = 600; a.mask_kind = 2; a.H_q = 4; attn_case(a); }
+  { AttnCase a; a.dev_lengths = true; a.B = 1; a.H_kv = 1; a.H_q = 6; a.T = 3; a.S = 2; a.mk = 128; a.mv = 64;
+    a.ntk = 7; a.kbits = 4; a.vbits = 1; a.kmode = QM::kHybrid; a.vmode = QM::kAsym; a.G = 64; a.D = 64;
+    a.num_sms = 16; a.extra[2] = 400; a.extra[4] = 500; a.dt = XDtype::kF32; attn_case(a); }
+  { AttnCase a; a.dev_lengths = true; a.klay = a.vlay = SL::kRows; a.S = 1; a.mk = 50; a.mv = 80; a.ntk = 33;
+    a.extra[1] = 17; a.extra[3] = 3; a.split_tokens = 64; a.T = 1; a.xscale = true; attn_case(a); }
   // refused: head_dim 96 and 256, split_tokens not a multiple of G
   { AttnCase a; a.D = 96; a.expect = cudaErrorInvalidValue; attn_case(a); }
   { AttnCase a; a.D = 256; a.expect = cudaErrorInvalidValue; attn_case(a); }

@@ -54,6 +54,7 @@ PTR_TYPES = {
     torch.int32: "*i32",
     torch.int16: "*i16",
     torch.int8: "*i8",  # the lattice ops' signs
+    torch.int64: "*i64",  # decode_attention_fused's device lengths
 }
 
 
@@ -225,7 +226,7 @@ def attention_calls(tk, calls, dtypes):
     """decode_attention_fused: InnerQ (keys rows, values cols, key_x_scale) and KIVI (keys cols, values rows) layer
     caches at every bit width, every mode and window dtype, Llama-3.1-8B heads (GQA 4, D 128); q_len 16 with a mask
     (64 query rows: row blocks); one split (no merge); D 64 with G 64 (64-token tiles); the other two layout
-    pairs; 64-bit store strides."""
+    pairs; 64-bit store strides; the device-lengths form (static caches) of both layer caches."""
 
     def z(*shape, dtype=torch.float32, device="cpu"):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -244,7 +245,7 @@ def attention_calls(tk, calls, dtypes):
         return codes, scales, None if mode == "sym" else scales
 
     def attn(key, value, dtype, T=1, H_q=32, H_kv=8, D=128, G=32, S=32, mk=3968, mv=3968, tail=96, xs=False,
-             mask=False, big=False):  # fmt: skip
+             mask=False, big=False, lengths=False):  # fmt: skip
         (kb, km, kl), (vb, vm, vl) = key, value
         B, N = 1, S + mk + tail
         dev = "meta" if big else "cpu"
@@ -255,7 +256,8 @@ def attention_calls(tk, calls, dtypes):
         vc, vs, vz = store(B, H_kv, D, mv, vb, G, vm, vl, big)
         x_scale = z(H_kv, D, device=dev) if xs else None
         m = z(B, 1, T, N, device=dev) if mask else None
-        args = (x, sk, sv, kc, ks, kz, vc, vs, vz, kt, vt, kb, km, kl, vb, vm, vl, G, x_scale, m)
+        n_used = z(5, dtype=torch.int64, device=dev) if lengths else None
+        args = (x, sk, sv, kc, ks, kz, vc, vs, vz, kt, vt, kb, km, kl, vb, vm, vl, G, x_scale, m, 0, n_used)
         calls.append(lambda: tk.decode_attention_fused(*args))
 
     for bits in (1, 2, 3, 4):
@@ -271,6 +273,9 @@ def attention_calls(tk, calls, dtypes):
     attn((4, "hybrid", "cols"), (1, "asym", "cols"), torch.float16, G=64)
     attn((2, "asym", "rows"), (2, "asym", "rows"), torch.float16, mv=4000, tail=160, xs=True)
     attn((3, "sym", "rows"), (3, "sym", "cols"), torch.float16, xs=True, big=True)
+    attn((3, "sym", "rows"), (2, "sym", "cols"), torch.float16, xs=True, lengths=True)  # static caches
+    attn((2, "asym", "cols"), (2, "asym", "rows"), torch.float16, S=0, mv=4000, tail=160, lengths=True)
+    attn((2, "hybrid", "rows"), (2, "hybrid", "cols"), torch.bfloat16, T=4, xs=True, mask=True, lengths=True)
 
 
 # Planted faults for --self-test: each must be reported, or the check could pass without looking.
