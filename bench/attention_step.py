@@ -17,9 +17,9 @@ Whole decode steps (append one token + attention, the cache advancing every step
 (wall clock over STEP_COUNT consecutive steps, synchronized at the end, so host work counts):
   dynamic step   QuantizedLayerCache.append + decode_attention as generate() runs them (host decisions, new shapes)
   static step    kvkernels.StaticLayerCache: the step captured once in a CUDA graph and replayed (CPU: run eagerly)
-"static / dynamic" < 1 means the graph-captured step is faster. Until the fused kernels take device lengths, the
-static step's attention is the PyTorch reference over the whole capacity (kvkernels/static_cache.py): those rows
-measure that, not the kernels.
+"static / dynamic" < 1 means the graph-captured step is faster. The static step's attention is the fused op's
+device-lengths form (grid planned for the capacity, only the used tokens read); on CPU it is the PyTorch reference,
+which dequantizes the whole capacity.
 
 On CPU the fused op runs the PyTorch reference (dequantize everything, one softmax): CPU rows compare CPU code paths
 and say nothing about GPU speed. The GPU numbers are what this script is for (bench/gpu_verify.sh runs it).

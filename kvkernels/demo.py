@@ -30,6 +30,7 @@ import torch
 from . import _backends, ops, quality
 from .attention import reference_decode_attention
 from .formats import PRESETS, effective_bits, format_of, make_layer_cache
+from .integrations.compat import cache_kwarg
 from .speculative import generate_kwargs
 
 # Parts 1 and 3 load their models from local directories, offline. huggingface_hub reads HF_HUB_OFFLINE once, when
@@ -270,7 +271,7 @@ def generate_continuations(
         quantized = quantized_tokens(cache)
         t0 = time.perf_counter()
         with torch.no_grad():
-            seq = model.generate(prompt, past_key_values=cache, **generate_kwargs(cache), **gen_kw)
+            seq = model.generate(prompt, **{cache_kwarg(): cache}, **generate_kwargs(cache), **gen_kw)
         out.append(Continuation(method, seq[0, ids.numel() :].tolist(), quantized, time.perf_counter() - t0))
     return out
 

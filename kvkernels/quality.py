@@ -55,6 +55,8 @@ from pathlib import Path
 
 import torch
 
+from .integrations.compat import cache_kwarg
+
 # The model and tokenizer load from a local folder, offline; huggingface_hub reads HF_HUB_OFFLINE once, when
 # transformers first imports it, and nothing above imports transformers (an explicit setting wins).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -307,7 +309,7 @@ def prefill_kv(model, prompt: torch.Tensor) -> list[tuple[torch.Tensor, torch.Te
 
     cache = DynamicCache(config=model.config)
     # logits_to_keep=1: the prompt's logits are not scored, and the LM head over P positions is a large matmul
-    model(prompt[None].to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(prompt[None].to(model.device), **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -357,7 +359,7 @@ def decode_logits(model, cache, fed: torch.Tensor) -> tuple[torch.Tensor, list[f
     out, seconds = [], []
     for token in fed.to(model.device):
         t0 = time.perf_counter()
-        logits = model(token.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(token.view(1, 1), **{cache_kwarg(): cache}, use_cache=True).logits[0, -1]
         if cuda:
             torch.cuda.synchronize(model.device)
         seconds.append(time.perf_counter() - t0)

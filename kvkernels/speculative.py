@@ -38,6 +38,7 @@ import torch
 
 from .cache import ModelKVCache
 from .formats.specache import set_speculative_rows
+from .integrations.compat import cache_from, cache_kwarg
 
 
 def _layer_caches(cache) -> list:
@@ -84,7 +85,7 @@ def speculative_forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError("speculative_forward needs a cache that holds the prompt (prefill it first)")
     set_speculative_rows(layers, 1)
     try:
-        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        logits = model(ids, **{cache_kwarg(): cache}, use_cache=True).logits
     finally:
         for layer in _layer_caches(cache):
             if hasattr(layer, "drop_speculative"):
@@ -106,7 +107,7 @@ def specache_decode(
     """generate()'s decoding loop for speculative caches: pass it as `custom_generate=specache_decode` (module
     docstring). Greedy or sampling per generation_config; logits processors and stopping criteria apply to the
     real tokens as in generate()'s own loop."""
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_from(model_kwargs)
     _check_cache(model, cache)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
@@ -157,7 +158,7 @@ def specache_decode(
         return not bool(unfinished.any())
 
     with torch.no_grad():
-        logits = model(input_ids[:, past:], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids[:, past:], **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
         token = choose(logits)
         finished = done(token)
         guess = None
@@ -174,7 +175,7 @@ def specache_decode(
         return input_ids
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw, past_key_values=cache)
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw, **{cache_kwarg(): cache})
 
 
 @torch.inference_mode()

@@ -116,6 +116,19 @@ class _StaticTensor:
         return n_out
 
 
+def static_format_error(cache: QuantizedLayerCache) -> str | None:
+    """Why `cache` cannot be made static (None if it can): its format's attention must be the fused op over plain
+    quantized stores (InnerQ, KIVI). Reads no data: an empty cache of the format answers for every cache of it."""
+    if cache.fused_attention_operands() is None or not all(
+        type(s) is QuantStore for s in (cache.key_store, cache.value_store)
+    ):
+        return (
+            f"{cache.format.name} caches cannot be made static: their attention is not the fused op over plain "
+            "quantized stores (static caches serve InnerQ and KIVI)"
+        )
+    return None
+
+
 class StaticLayerCache:
     """A layer cache with fixed buffer shapes and device-side token counts (module docstring).
 
@@ -130,13 +143,8 @@ class StaticLayerCache:
     def __init__(self, cache: QuantizedLayerCache, max_tokens: int, step_tokens: int = 1):
         if not isinstance(cache, QuantizedLayerCache):
             raise TypeError(f"cache must be a kvkernels layer cache (QuantizedLayerCache), got {type(cache).__name__}")
-        if cache.fused_attention_operands() is None or not all(
-            type(s) is QuantStore for s in (cache.key_store, cache.value_store)
-        ):
-            raise ValueError(
-                f"{cache.format.name} caches cannot be made static: their attention is not the fused op over plain "
-                "quantized stores (static caches serve InnerQ and KIVI)"
-            )
+        if (error := static_format_error(cache)) is not None:
+            raise ValueError(error)
         for name, val in (("max_tokens", max_tokens), ("step_tokens", step_tokens)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")

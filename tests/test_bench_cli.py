@@ -124,3 +124,20 @@ def test_cli_refuses_a_grid_that_cannot_fit_in_memory(tmp_path, monkeypatch):
         bench.main(["--device", "cpu", "--batch", "100000", "--seqlens", "2048", "--out", str(tmp_path)])
     assert not started
     assert bench.case_peak_bytes(bench.SHAPES["llama-3.1-8b"], 1, 2048) < 2**30
+
+
+def test_generate_step_bench_runs(tmp_path):
+    # bench/generate_step.py is for the GPU sessions; here: every row runs (tiny model, aot_eager) and the static
+    # rows decode the tokens of their dynamic twins
+    pytest.importorskip("transformers")
+    script = Path(__file__).resolve().parents[1] / "bench" / "generate_step.py"
+    out = tmp_path / "gen.json"
+    args = ["--device", "cpu", "--tokens", "40", "--new", "3", "--reps", "1", "--presets", "kivi2"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--backend", "aot_eager", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["fp16 dynamic", "fp16 static +compile", "kivi2 dynamic", "kivi2 static"]
+    assert all(r["us_per_token"] > 0 for r in rows) and rows[-1]["same_tokens"] is True

@@ -115,9 +115,11 @@ def test_evaluate_rows(model, contexts):
         assert r.stored_bits < 16.0 and r.kl > 0 and 0 <= r.top1_agreement <= 1
         assert r.ppl == pytest.approx(by[PREFILL, "fp16"].ppl + r.ppl_delta)
         assert r.paths["fused"] == DECODE * len(contexts) * model.config.num_hidden_layers
-        # P = 32: the whole context (49 tokens) fits the fp16 windows, nothing is quantized
+        # P = 32: the whole context (49 tokens) fits the fp16 windows, nothing is quantized. The logits then differ
+        # from the baseline's by fp32 rounding (<= 2.4e-7 measured, transformers 5.24's SDPA vs the fused op), and
+        # KL's sum_v p_v (log p_v - log q_v) in fp32 carries the log-normalizers' difference: |KL| ~ 1e-7, not 0
         short = by[32, method]
-        assert short.stored_bits == 16.0 and short.kl < 1e-9 and short.top1_agreement == 1.0
+        assert short.stored_bits == 16.0 and abs(short.kl) < 1e-6 and short.top1_agreement == 1.0
     assert by[PREFILL, "innerq_asym4"].kl < by[PREFILL, "innerq_base"].kl  # 4-bit asym beats 3-bit sym
     bits = quality._bits("innerq_base", None)
     assert bits == ("innerq", 3.5, 3.5)

@@ -64,11 +64,16 @@ fused=False forces that path. With no config given, fused defaults to True; the 
 they are a tensor subclass on which any torch operation but a metadata read raises, so an attention function
 other than "kvkernels" fails at the first decode step with a message naming the fix.
 
+Compiled decoding: KVKernelsStaticCache (below) keeps the same formats in fixed buffers with device-side token
+counts after an eager prefill, so generate() compiles its decode step (CUDA graphs under mode="reduce-overhead");
+docs/INTEGRATION.md "Compiled decoding".
+
 Generation support: get_seq_length, get_mask_sizes, get_max_length / get_max_cache_shape (-1: unbounded),
 reorder_cache (beam search), crop (assisted / prompt-lookup decoding; negative = drop that many tokens, positive
 = keep that many, 5.17's legacy meaning), batch_select_indices, batch_repeat_interleave, reset;
-is_compileable=False (caches change shape every step) and is_croppable=False (a crop keeps tokens that were
-quantized while the cropped tokens were present quantized, see kvkernels.formats.base). Works with transformers 5.17+.
+is_compileable=False (caches change shape every step) and is_croppable=True (transformers >= 5.24 asks before
+assisted decoding: a crop leaves a valid cache, though tokens quantized while the cropped tokens were present stay
+so quantized, see kvkernels.formats.base). Works with transformers 5.17+.
 Only full-attention layers are supported (no sliding-window / linear-attention layer types).
 """
 
@@ -103,10 +108,15 @@ from ..cache import ModelKVCache, check_num_layers
 from ..formats import PRESETS, all_formats, format_of, preset_format
 from ..formats.base import check_capacity
 from ..speculative import generate_kwargs
+from ..static_cache import StaticLayerCache, static_format_error
+from .compat import cache_kwarg
 
 ATTN_IMPLEMENTATION = "kvkernels"
 METHODS = (*PRESETS, "fp16")
 _HANDLE_ATTR = "_kvkernels_layer"
+# a static cache's prefill tags the key it returns with its layer; the attention function keeps that layer on the
+# attention module (same attribute name), where the compiled decode steps find it
+_STATIC_ATTR = "_kvkernels_static_layer"
 # options that configure the cache object rather than the quantization format
 _CACHE_OPTIONS = ("capacity", "fused", "max_fused_q_len", "key_norm_factors", "rope_paired", "num_layers")
 
@@ -254,7 +264,7 @@ class KVKernelsLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # valid after a crop, not bit-identical to a cache that never saw the cropped tokens
     is_sliding = False
 
     def __init__(
@@ -471,17 +481,7 @@ class KVKernelsCache(Cache):
         self.method = method
         self.format = method_config(method, **overrides)
         check_capacity(capacity)  # checked again by each layer cache, but only at its first update
-        check_num_layers(num_layers)
-        text = config.get_text_config(decoder=True) if config is not None else None
-        if text is not None:
-            # everything the first update inside generate() would find out, found out now
-            _check_model_config(text, self.format)
-            if num_layers is not None and num_layers != text.num_hidden_layers:
-                raise ValueError(
-                    f"num_layers={num_layers} but the model config has {text.num_hidden_layers} layers; "
-                    "leave num_layers out when config= is given"
-                )
-            num_layers = text.num_hidden_layers
+        text, num_layers, _ = _model_shape(config, num_layers, self.format)
         self._layer_kwargs = {
             "capacity": capacity,
             "fused": fused,
@@ -498,10 +498,7 @@ class KVKernelsCache(Cache):
             super().__init__(layer_class_to_replicate=lambda: self._new_layer(len(self.layers)))
 
     def _new_layer(self, idx: int) -> KVKernelsLayer:
-        f = self._key_norm_factors
-        factors = None
-        if f is not None:
-            factors = f.get(idx) if isinstance(f, Mapping) else f[idx]
+        factors = _layer_factors(self._key_norm_factors, idx)
         return KVKernelsLayer(
             self.format, key_norm_factors=factors, layer_idx=idx, model_cache=self.model_cache, **self._layer_kwargs
         )
@@ -528,20 +525,266 @@ class KVKernelsCache(Cache):
 
     def memory_bytes(self) -> dict[str, int]:
         """Per-layer memory_bytes() summed over the initialized layers (kvkernels.formats.base for the keys)."""
-        total: dict[str, int] = {}
-        for layer in self.layers:
-            for key, val in layer.memory_bytes().items():
-                total[key] = total.get(key, 0) + val
-        return total
+        return _summed(layer.memory_bytes() for layer in self.layers)
 
     @property
     def paths(self) -> dict[str, int]:
         """How many layer updates took each path (KVKernelsLayer.paths), summed over layers."""
-        out: dict[str, int] = {}
-        for layer in self.layers:
-            for key, val in layer.paths.items():
-                out[key] = out.get(key, 0) + val
-        return out
+        return _summed(layer.paths for layer in self.layers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the static cache: torch.compile / CUDA graphs
+
+
+class KVKernelsStaticLayer(CacheLayerMixin):
+    """One layer of KVKernelsStaticCache. The first update (the prompt, run eagerly) quantizes into a kvkernels
+    layer cache exactly as KVKernelsLayer does and hands it to a kvkernels.static_cache.StaticLayerCache: fixed
+    buffers for max_cache_len tokens, token counts in a device tensor. Every later update appends one token with
+    fixed-shape device ops and returns empty [B, H_kv, 0, D] tensors; the "kvkernels" attention function then runs
+    StaticLayerCache.attention (decode_attention_fused's device-lengths form) for the module it bound to this layer
+    at the prefill. Nothing of a decode step reads the device on the host, so torch.compile traces it as one graph
+    (fullgraph=True) and mode="reduce-overhead" replays it from a CUDA graph.
+
+    `static` is the StaticLayerCache (None before the prefill); `paths` counts prefill and static updates (the
+    latter from the device token count when read: a Python counter in the step would be a guard that recompiles).
+    """
+
+    is_compileable = True
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, config, max_cache_len, capacity, key_norm_factors, rope_paired, layer_idx, model_cache):
+        super().__init__()
+        self._format = format_of(config)
+        self.config, self.max_cache_len, self.capacity = config, max_cache_len, capacity
+        self.key_norm_factors, self.rope_paired = key_norm_factors, rope_paired
+        self.layer_idx, self.model_cache = layer_idx, model_cache
+        self.cache = None  # the layer cache the prompt is quantized into (taken over by `static`)
+        self.static = None
+        self._prompt_tokens = 0
+
+    def __repr__(self):
+        return f"{type(self).__name__}({type(self.config).__name__}, max_cache_len={self.max_cache_len})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        options = {"key_norm_factors": self.key_norm_factors, "rope_paired": self.rope_paired}
+        options = {k: v for k, v in options.items() if k in self._format.layer_options and v is not None}
+        self.cache = self.model_cache.create_layer(
+            self.layer_idx, B, H, D, self.device, self.dtype, capacity=self.capacity, **options
+        )
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """The prompt: quantize it, return it for SDPA (tagged for the attention function). A decode token: append
+        it to the static buffers, return empty tensors (the attention function reads the buffers)."""
+        if self.static is None:
+            return self._prefill(key_states, value_states)
+        self.static.append(key_states, value_states)
+        B, H, _, D = key_states.shape
+        return key_states.new_empty((B, H, 0, D)), value_states.new_empty((B, H, 0, D))
+
+    def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "KVKernelsStaticCache: the prompt must be prefilled eagerly (generate() does; compile only the decode "
+                "steps)"
+            )
+        n = key_states.shape[2]
+        if n >= self.max_cache_len:
+            raise ValueError(
+                f"KVKernelsStaticCache(max_cache_len={self.max_cache_len}) cannot hold a {n}-token prompt plus a new "
+                "token; build it with a larger max_cache_len"
+            )
+        self.lazy_initialization(key_states, value_states)
+        self.cache.prefill(key_states, value_states)
+        self.static = StaticLayerCache(self.cache, self.max_cache_len)
+        self._prompt_tokens = n
+        setattr(key_states, _STATIC_ATTR, self)
+        return key_states, value_states
+
+    def fused_attention(self, query: torch.Tensor, scale: float | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of query [B, H_q, 1, D] over this layer's static buffers, [B, H_q, 1, D] (no host read)."""
+        if self.static is None:
+            raise RuntimeError(f"kvkernels attention: layer {self.layer_idx} of a KVKernelsStaticCache has no prompt")
+        scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+        return self.static.attention(query, scale, attn_mask=mask)
+
+    @property
+    def paths(self) -> dict[str, int]:
+        """Updates per path: the prefill (0 or 1) and the static decode steps (reads the device)."""
+        if self.static is None:
+            return {"prefill": 0, "static": 0}
+        return {"prefill": 1, "static": self.static.seq_len - self._prompt_tokens}
+
+    # -- generation API ------------------------------------------------------------------------------------------
+    def get_seq_length(self):
+        """Tokens held: a 0-d device tensor once prefilled (as transformers' StaticLayer: no sync), else 0."""
+        return 0 if self.static is None else self.static.seq_len_tensor
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The prompt's SDPA sees the prompt; a decode step's mask spans the max_cache_len token positions."""
+        return (query_length, 0) if self.static is None else (self.max_cache_len, 0)
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    @property
+    def batch_size(self) -> int:
+        if self.static is None:
+            raise AttributeError("batch_size: layer not initialized")
+        return self.static.batch
+
+    def reset(self) -> None:
+        """Forget every token: the next update is a new prompt (and new buffers: a compiled step recompiles)."""
+        self.cache = self.static = None
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"KVKernelsStaticCache does not support {what} (fixed-shape decoding of one token per step): use "
+            "KVKernelsCache for beam search, assisted or prompt-lookup decoding"
+        )
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class KVKernelsStaticCache(Cache):
+    """A transformers Cache for compiled decoding: KVKernelsStaticLayer per decoder layer (InnerQ, KIVI, XQuant's
+    even layers: formats whose attention is decode_attention_fused over plain stores).
+
+    KVKernelsStaticCache(method="innerq_base", config=model.config, max_cache_len=4096, **overrides)
+
+    generate() prefills the prompt eagerly, then compiles the decode step (it does so for a cache whose
+    is_compileable is True: on CUDA by default, elsewhere with compile_config._compile_all_devices):
+
+        model.set_attn_implementation("kvkernels")
+        cache = KVKernelsStaticCache("innerq_base", config=model.config, max_cache_len=2048)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)          # CUDA graphs on a GPU
+
+    max_cache_len: the most tokens (prompt + generated) a layer holds; buffers are allocated for it at the prefill.
+    The decode steps append one token each: beam search, assisted and prompt-lookup decoding, crop and batch
+    edits raise (use KVKernelsCache). A prompt of a later generate() call on the same cache re-prefills it (the
+    compiled step then recompiles for the new buffers; build a cache per batch of prompts instead).
+    Other arguments as KVKernelsCache (capacity: the prefill's initial store capacity).
+    """
+
+    def __init__(
+        self,
+        method: str = "innerq_base",
+        config=None,
+        *,
+        max_cache_len: int,
+        num_layers: int | None = None,
+        capacity: int = 256,
+        key_norm_factors: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] | None = None,
+        rope_paired: bool = True,
+        **overrides,
+    ):
+        self.method = method
+        self.format = method_config(method, **overrides)
+        if self.format is None:
+            raise ValueError(
+                "KVKernelsStaticCache quantizes; for an unquantized static cache use transformers' StaticCache"
+            )
+        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be an int >= 2, got {max_cache_len!r}")
+        check_capacity(capacity)
+        _, num_layers, head_dim = _model_shape(config, num_layers, self.format)
+        if num_layers is None:
+            raise ValueError("KVKernelsStaticCache needs config=model.config (or num_layers=)")
+        # every layer must be a static layer: probe a one-head model cache of the same depth (no data is read)
+        probe = ModelKVCache(self.format, num_layers)
+        for i in range(num_layers):
+            error = static_format_error(probe.create_layer(i, 1, 1, head_dim or 128, capacity=0))
+            if error is not None:
+                raise ValueError(f"KVKernelsStaticCache({method!r}), layer {i}: {error}")
+        self.max_cache_len = max_cache_len
+        self.model_cache = ModelKVCache(self.format, num_layers)
+        layers = [
+            KVKernelsStaticLayer(
+                self.format,
+                max_cache_len,
+                capacity,
+                _layer_factors(key_norm_factors, i),
+                rope_paired,
+                i,
+                self.model_cache,
+            )
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+
+    def __repr__(self):
+        n, L = self.max_cache_len, len(self.layers)
+        return f"{type(self).__name__}(method={self.method!r}, layers={L}, max_cache_len={n})"
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"KVKernelsStaticCache was built for {len(self.layers)} layers but the model updated layer {layer_idx}"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def paths(self) -> dict[str, int]:
+        """How many layer updates took each path (prefill, static), summed over layers (reads the device)."""
+        return _summed(layer.paths for layer in self.layers)
+
+
+def _model_shape(config, num_layers, format_config) -> tuple:
+    """(decoder text config or None, layer count, head_dim or None) for a cache built with config= / num_layers=;
+    checks now what the first update inside generate() would find out."""
+    check_num_layers(num_layers)
+    text = config.get_text_config(decoder=True) if config is not None else None
+    if text is None:
+        return None, num_layers, None
+    _check_model_config(text, format_config)
+    if num_layers is not None and num_layers != text.num_hidden_layers:
+        raise ValueError(
+            f"num_layers={num_layers} but the model config has {text.num_hidden_layers} layers; "
+            "leave num_layers out when config= is given"
+        )
+    return text, text.num_hidden_layers, _head_dim(text)
+
+
+def _head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _layer_factors(factors, idx: int):
+    """Layer idx's fixed InnerQ key norm from a per-layer sequence or {layer_idx: tensor} (None: computed)."""
+    if factors is None:
+        return None
+    return factors.get(idx) if isinstance(factors, Mapping) else factors[idx]
+
+
+def _summed(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for key, val in d.items():
+            out[key] = out.get(key, 0) + val
+    return out
 
 
 def _check_model_config(text, format_config) -> None:
@@ -556,10 +799,8 @@ def _check_model_config(text, format_config) -> None:
             f"KVKernelsCache supports full-attention layers only; this model uses a sliding window of "
             f"{text.sliding_window} tokens"
         )
-    if format_config is None:
-        return
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    format_of(format_config).check_head_dim(format_config, head_dim)
+    if format_config is not None:
+        format_of(format_config).check_head_dim(format_config, _head_dim(text))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -580,8 +821,15 @@ def kvkernels_attention_forward(
 
     query [B, H_q, T, D]; returns ([B, T, H_q, D], None) like every transformers attention function.
     """
-    layer = getattr(key, _HANDLE_ATTR, None)
+    eager = not torch.compiler.is_compiling()
+    layer = getattr(key, _HANDLE_ATTR, None) if eager else None
+    if layer is None and key.shape[2] == 0:  # a static cache's decode step: the layer its prefill bound here
+        layer = getattr(module, _STATIC_ATTR, None)
+        if layer is None:
+            raise RuntimeError("kvkernels attention: empty keys, and no KVKernelsStaticCache prefill bound this layer")
     if layer is None:
+        if eager and (static := getattr(key, _STATIC_ATTR, None)) is not None:
+            setattr(module, _STATIC_ATTR, static)  # a static cache's prefill: its decode steps come here
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -668,7 +916,7 @@ def generate_with_method(model, input_ids: torch.Tensor, method: str, **kw) -> G
         cache = KVKernelsCache(method, config=model.config, **cache_kw)
         gen_kw = generate_kwargs(cache) | gen_kw  # a speculative format's two-row loop (kvkernels.speculative)
         out = model.generate(
-            input_ids, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **gen_kw
+            input_ids, **{cache_kwarg(): cache}, return_dict_in_generate=True, output_logits=True, **gen_kw
         )
     finally:
         if previous != ATTN_IMPLEMENTATION and hasattr(model, "set_attn_implementation"):
@@ -695,6 +943,8 @@ __all__ = [
     "GenerationResult",
     "KVKernelsCache",
     "KVKernelsLayer",
+    "KVKernelsStaticCache",
+    "KVKernelsStaticLayer",
     "generate_with_method",
     "kvkernels_attention_forward",
     "method_config",
