@@ -715,12 +715,12 @@ def aqua_table(rows: list[AquaRow]) -> str:
 # only cut blocks reach. What lies on a path from the loop's head to its back edge is counted per execution: a side's
 # staging path D / 32 times per CTA (warp-units of 32 units: D = 128, every warp one key and one value unit; D = 64,
 # warps 0-1 keys, 2-3 values), the score loop (unroll 4 of the D / 4 float4 steps) the trip count its FFMAs imply
-# (4 rows x D per warp), the rest once per warp (4). A branch with both sides on the path is counted on both (an
+# (ROWS / 4 rows x D per warp), the rest once per warp (4). A branch with both sides on the path is counted on both (an
 # upper bound; addresses in --json: today a few instructions each, the staging loop's entry guard, the skip of a
 # zero-fill or of the x_scale multiply, the softmax's row guards). Compulsory bytes of a tile: keys + values codes of
 # 32 tokens x D and their fp16 scales (+ zeros) at G = 32. Query rows 4 (GQA 4 at q_len 1), no mask (causal): the
-# CTA always runs its 16 row slots (4 per warp in scores and softmax, 16 / (128 / D) per thread in P.V), so 4 rows
-# cost what 16 do.
+# kernel instantiated for row blocks of 4 (ROWS = 4: one row per warp in scores and softmax, 4 / (128 / D) per
+# thread in P.V), which the launcher picks for R <= 4.
 ATTN_SOURCE = "decode_attention.cu"
 CONTROL_ONLY = {"BRA", "BSSY", "BSYNC", "WARPSYNC", "NOP", "CALL", "RET", "EXIT", "BMOV"}
 
@@ -742,6 +742,7 @@ ATTN_PRESETS = {  # preset: (keys, values) of the tile class (kvkernels/formats:
     "kivi2": (AttnSide(2, "asym", True), AttnSide(2, "asym", False)),
 }
 ATTN_DIMS = (128, 64)
+ATTN_ROWS = 4  # the row-block instantiation the preset rows are read from (GQA 4 x q_len 1)
 
 
 def find_nvdisasm(cuobjdump: str | None) -> str | None:
@@ -1055,14 +1056,14 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
             raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: no staging path for {name} {sd}")
         side_paths[name] = path
 
-    # score loop trip count from its FFMAs: 4 rows x D per warp
+    # score loop trip count from its FFMAs: ATTN_ROWS / 4 rows x D per warp
     def fma_score(bs):
         return sum(
             1 for s in bs for a, op, _ in blocks[s].instrs if op.startswith("FFMA") and score_fma(chain.get(a, ()))
         )
 
     inside, outside = fma_score(score_b), fma_score(on_path - score_b - stage_all)
-    trip = (4 * D - outside) / inside if inside else 0
+    trip = (ATTN_ROWS // 4 * D - outside) / inside if inside else 0
     if trip != int(trip) or trip < 1:
         raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: score FFMAs {inside} / loop, {outside} outside")
     units = D // 32  # warp-units of keys (and of values) per CTA tile
@@ -1096,17 +1097,18 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     return AttnRow("", D, k.arch, k.regs, k.spill_bytes, ctas, tot, parts, nbytes, m, sorted(set(both)), local)
 
 
-def attention_smem_bytes(D: int) -> int:
+def attention_smem_bytes(D: int, rows: int = ATTN_ROWS) -> int:
     """Dynamic shared memory of a CTA (mirrors smem_floats in csrc/cuda/decode_attention.cu)."""
-    return 4 * (2 * 32 * (D + 4) + 16 * D + 16 * 32 + 3 * 16)
+    return 4 * (2 * 32 * (D + 4) + rows * D + rows * 32 + 3 * rows)
 
 
 def attention_rows(kernels: list[Kernel]) -> list[AttnRow]:
     mk = attention_markers(ROOT / "csrc" / "cuda" / ATTN_SOURCE, ROOT / "csrc" / "kvkernels" / "quant.cuh")
     rows = []
     for k in kernels:
-        # the exact-size instantiation (the lengths form, <D, true>, differs only in where the counts come from)
-        m = re.search(r"decode_attention_kernel<(\d+), false>", k.name)
+        # the exact-size instantiation for ATTN_ROWS rows (the lengths form, <D, ROWS, true>, differs only in where
+        # the counts come from)
+        m = re.search(rf"decode_attention_kernel<(\d+), {ATTN_ROWS}, false>", k.name)
         if m is None or k.arch not in MACHINES:
             continue
         D = int(m.group(1))
@@ -1122,11 +1124,11 @@ def attention_rows(kernels: list[Kernel]) -> list[AttnRow]:
 # kernel is a correctness baseline far over the GEMVs' budget (bench/README.md); a regression fails, an improvement
 # should lower the ceiling.
 ATTN_CEILING: dict[tuple[str, int], float] = {
-    # (preset, head_dim): ceiling (recorded with nvcc 13.0: 91.1 / 102.3 / 97.4 / 110.5)
-    ("innerq_base", 128): 94.0,
-    ("innerq_base", 64): 105.5,
-    ("kivi2", 128): 100.5,
-    ("kivi2", 64): 114.0,
+    # (preset, head_dim): ceiling (recorded with nvcc 13.0, 4-row instantiation: 49.8 / 54.8 / 49.1 / 55.0)
+    ("innerq_base", 128): 51.5,
+    ("innerq_base", 64): 56.5,
+    ("kivi2", 128): 50.5,
+    ("kivi2", 64): 56.7,
 }
 
 
@@ -1212,7 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
     out += aqua_table(aqua)
     attn = attention_rows(kernels)
     out += (
-        "\ndecode_attention_fused (one 32-token tile of a CTA: 16 query-row slots, 4 used at GQA 4 x q_len 1; "
+        "\ndecode_attention_fused (one 32-token tile of a CTA: the 4-row instantiation, GQA 4 x q_len 1; "
         "static model, unverified on a GPU):\n\n"
     )
     out += attention_table(attn)

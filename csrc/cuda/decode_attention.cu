@@ -3,9 +3,10 @@
 // Keys and values are each sink | quantized store | tail in token order; the key store (mk tokens) and the value
 // store (mv tokens) cover different token ranges, so a token tile may mix quantized keys with window values.
 //
-// Split-KV, FlashDecoding style. Grid (B * H_kv * row blocks, splits). A CTA serves up to 16 query rows of one KV
-// head (the R = (H_q / H_kv) * T rows of the head, query head major; more rows tile over row blocks), so every
-// key and value it dequantizes serves all of them. Split 0 covers tokens [0, S + C) (the sink joins it), split
+// Split-KV, FlashDecoding style. Grid (B * H_kv * row blocks, splits). A CTA serves up to ROWS = 4, 8 or 16 query
+// rows of one KV head (the R = (H_q / H_kv) * T rows of the head, query head major; ROWS is the smallest that holds
+// R, more rows tile over row blocks of 16), so every key and value it dequantizes serves all of them, and GQA 4 at
+// q_len 1 (Llama 3) computes 4 rows, not 16. Split 0 covers tokens [0, S + C) (the sink joins it), split
 // k >= 1 covers [S + kC, S + (k + 1) C), C = split_tokens or planned (a multiple of G). Inside a split the CTA walks
 // token tiles of 32: the sink in tiles of its own, then tiles aligned at S + 32i, so a "cols" store group (G tokens,
 // G a multiple of 32) never straddles a tile, and a tile is either wholly inside a cols store or wholly outside it.
@@ -14,7 +15,7 @@
 // fp32 (token-major [32][D + 4]): a "rows" unit is 32 channels of one token (sink, store or tail, chosen per token;
 // the general path that also serves tiles mixing store and tail tokens), a "cols" unit is the 32 tokens of one
 // channel (tiles wholly inside a cols store: one packed block, one scale / zero). Store keys are multiplied by
-// key_x_scale here. (2) scores: warp w owns rows w, w + 4, w + 8, w + 12 and lane j token j of the tile; fp32 dot
+// key_x_scale here. (2) scores: warp w owns rows w, w + 4, ... (ROWS / 4 of them) and lane j token j of the tile; fp32 dot
 // products from shared memory (float4, conflict-free: the row pitch D + 4 puts 8 consecutive tokens' 16-byte chunks
 // in distinct banks), the mask or the causal rule, then the online softmax of the row inside the warp (running max
 // m, sum l; a row whose scores are all -inf so far keeps m = -inf and contributes p = 0, never -inf - -inf).
@@ -45,16 +46,15 @@ namespace {
 constexpr int kThreads = 128;             // 4 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 32;                 // tokens per tile
-constexpr int kRows = 16;                 // query rows per CTA
-constexpr int kRowsPerWarp = kRows / kWarps;
+constexpr int kMaxRows = 16;              // query rows per CTA: ROWS in {4, 8, 16}
 constexpr int64_t kMinSplitTokens = 256;  // planned splits keep at least 8 tiles
 
 __host__ __device__ constexpr int tile_pitch(int D) { return D + 4; }
 
-// Shared memory (floats): key tile, value tile [kTile][D + 4]; queries [kRows][D]; probabilities [kRows][kTile];
-// per-row rescale factor, running max and sum [kRows] each.
-__host__ __device__ constexpr int smem_floats(int D) {
-  return 2 * kTile * tile_pitch(D) + kRows * D + kRows * kTile + 3 * kRows;
+// Shared memory (floats): key tile, value tile [kTile][D + 4]; queries [ROWS][D]; probabilities [ROWS][kTile];
+// per-row rescale factor, running max and sum [ROWS] each.
+__host__ __device__ constexpr int smem_floats(int D, int rows) {
+  return 2 * kTile * tile_pitch(D) + rows * D + rows * kTile + 3 * rows;
 }
 
 // One side (keys or values) of the CTA's (b, h_kv): windows and store resolved to that head.
@@ -225,8 +225,10 @@ struct AttnLaunch {
 
 // min blocks 3 (<= 170 registers: 3 CTAs / SM, 132 KB of shared memory): with the thread count alone ptxas capped
 // D = 64 at 128 registers and spilled; with min blocks 1 it took 185 at D = 128 (2 CTAs / SM)
-template <int D, bool kDevLengths>
+template <int D, int ROWS, bool kDevLengths>
 __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
+  static_assert(ROWS % kWarps == 0 && ROWS <= kMaxRows, "ROWS: 4, 8 or 16");
+  constexpr int kRows = ROWS, kRowsPerWarp = ROWS / kWarps;
   extern __shared__ __align__(16) float smem[];
   constexpr int P = tile_pitch(D);
   float* const ks = smem;                  // [kTile][P]
@@ -419,6 +421,21 @@ __global__ void merge_splits_kernel(const float* __restrict__ ws, int splits, in
 
 using AttnKernel = void (*)(const DecodeAttentionParams, const AttnLaunch);
 
+template <int D, int ROWS>
+AttnKernel attention_kernel_of(bool dev) {
+  if (dev) return &decode_attention_kernel<D, ROWS, true>;
+  return &decode_attention_kernel<D, ROWS, false>;
+}
+
+template <int D>
+AttnKernel attention_kernel(int rows, bool dev) {
+  switch (rows) {
+    case 4: return attention_kernel_of<D, 4>(dev);
+    case 8: return attention_kernel_of<D, 8>(dev);
+    default: return attention_kernel_of<D, kMaxRows>(dev);
+  }
+}
+
 struct AttnPlan {
   AttnKernel fn = nullptr;
   AttnLaunch launch{};
@@ -432,12 +449,14 @@ struct AttnPlan {
 AttnPlan plan_attention(const DecodeAttentionParams& p) {
   AttnPlan pl{};
   const bool dev = p.lengths != nullptr;
+  const int64_t gq = p.H_kv > 0 ? p.H_q / p.H_kv : 0, R = gq * p.T;
+  const int block_rows = R <= 4 ? 4 : R <= 8 ? 8 : kMaxRows;  // the smallest row block that holds the head's rows
   switch (p.D) {
-    case 64: pl.fn = dev ? decode_attention_kernel<64, true> : decode_attention_kernel<64, false>; break;
-    case 128: pl.fn = dev ? decode_attention_kernel<128, true> : decode_attention_kernel<128, false>; break;
+    case 64: pl.fn = attention_kernel<64>(block_rows, dev); break;
+    case 128: pl.fn = attention_kernel<128>(block_rows, dev); break;
     default: pl.error = "unsupported head_dim (supported: 64, 128)"; return pl;
   }
-  pl.smem_bytes = smem_floats(p.D) * static_cast<int>(sizeof(float));
+  pl.smem_bytes = smem_floats(p.D, block_rows) * static_cast<int>(sizeof(float));
   const int G = p.group_size;
   const int64_t S = p.sink_k.n;
   // device lengths: the counts are capacities and T > N is the caller's (unspecified, never out of bounds)
@@ -471,13 +490,12 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
     pl.error = "split_tokens must be 0 or a positive multiple of group_size";
     return pl;
   }
-  const int64_t gq = p.H_q / p.H_kv, R = gq * p.T;
-  if (R > 0x7fffffff / kRows || p.T > 0x7fffffff) {
+  if (R > 0x7fffffff / kMaxRows || p.T > 0x7fffffff) {
     pl.error = "too many query rows per KV head";
     return pl;
   }
   pl.launch.gq = static_cast<int>(gq);
-  pl.launch.row_blocks = static_cast<int>(ceil_div(R, kRows));
+  pl.launch.row_blocks = static_cast<int>(ceil_div(R, block_rows));
   const int64_t ctas = p.B * p.H_kv * pl.launch.row_blocks;
   const int64_t tokens = p.N - S;  // past the sink (device lengths: the most there can be)
   int64_t C = p.split_tokens;

@@ -892,6 +892,17 @@ void attn_cases() {
     a.num_sms = 16; a.extra[2] = 400; a.extra[4] = 500; a.dt = XDtype::kF32; attn_case(a); }
   { AttnCase a; a.dev_lengths = true; a.klay = a.vlay = SL::kRows; a.S = 1; a.mk = 50; a.mv = 80; a.ntk = 33;
     a.extra[1] = 17; a.extra[3] = 3; a.split_tokens = 64; a.T = 1; a.xscale = true; attn_case(a); }
+  // row blocks of 8 (R = 5 .. 8) and 4 (R <= 4) at both head dims, with masks (the kernel is chosen by R)
+  { AttnCase a; a.H_q = 6; a.H_kv = 2; a.T = 2; a.S = 3; a.mk = 96; a.mv = 64; a.ntk = 9; a.mask_kind = 1;
+    a.split_tokens = 32; a.kbits = 3; a.xscale = true; attn_case(a); }
+  { AttnCase a; a.H_q = 8; a.H_kv = 1; a.B = 1; a.T = 1; a.D = 128; a.mk = 128; a.mv = 96; a.ntk = 40;
+    a.kmode = a.vmode = QM::kAsym; a.klay = SL::kCols; a.vlay = SL::kRows; a.mask_kind = 2; attn_case(a); }
+  { AttnCase a; a.H_q = 5; a.H_kv = 1; a.B = 1; a.T = 1; a.D = 128; a.S = 1; a.mk = 64; a.mv = 64; a.ntk = 7;
+    a.dev_lengths = true; a.split_tokens = 32; a.kmode = QM::kHybrid; attn_case(a); }
+  { AttnCase a; a.H_q = 8; a.H_kv = 2; a.T = 1; a.D = 64; a.S = 2; a.mk = 160; a.mv = 128; a.ntk = 3;
+    a.split_tokens = 64; a.vbits = 4; a.xscale = true; a.dt = XDtype::kBF16; attn_case(a); }
+  { AttnCase a; a.H_q = 3; a.H_kv = 1; a.B = 2; a.T = 1; a.D = 64; a.mk = 64; a.mv = 64; a.ntk = 30;
+    a.mask_kind = 1; a.num_sms = 16; attn_case(a); }
   // refused: head_dim 96 and 256, split_tokens not a multiple of G
   { AttnCase a; a.D = 96; a.expect = cudaErrorInvalidValue; attn_case(a); }
   { AttnCase a; a.D = 256; a.expect = cudaErrorInvalidValue; attn_case(a); }
