@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from kvkernels.integrations.compat import cache_kwarg  # noqa: E402
 from kvkernels.integrations.transformers import (  # noqa: E402
     KVKernelsCache,
     KVKernelsStaticCache,
@@ -61,7 +62,7 @@ def _compile_config(backend: str = "aot_eager") -> CompileConfig:
 def _generate(model, ids, cache, **kw):
     kw = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True, "output_logits": True} | kw
     with torch.no_grad():
-        out = model.generate(ids, cache=cache, **kw)
+        out = model.generate(ids, **{cache_kwarg(): cache}, **kw)
     return out.sequences, torch.stack(out.logits, dim=1)
 
 

@@ -719,7 +719,7 @@ class KVKernelsStaticCache(Cache):
             error = static_format_error(probe.create_layer(i, 1, 1, head_dim or 128, capacity=0))
             if error is not None:
                 raise ValueError(f"KVKernelsStaticCache({method!r}), layer {i}: {error}")
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len  # transformers 5.17's Cache has a read-only max_cache_len property
         self.model_cache = ModelKVCache(self.format, num_layers)
         layers = [
             KVKernelsStaticLayer(
@@ -734,6 +734,10 @@ class KVKernelsStaticCache(Cache):
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
 
     def __repr__(self):
         n, L = self.max_cache_len, len(self.layers)
