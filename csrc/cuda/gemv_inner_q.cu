@@ -354,17 +354,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       return xscale == nullptr ? v : v * __ldg(xscale + l);
     };
     __syncthreads();
-    // pass 1: max |xs| per query row (non-negative floats order like their bits; atomicMax: order-independent)
-#pragma unroll 1
-    for (int q = 0; q < QR; ++q) {
-      const int64_t xoff = xoff_of(q);
-      float m = 0.f;
-      for (int l = threadIdx.x; l < len; l += blockDim.x) m = nan_max(m, fabsf(xs_at(xoff, l)));
-      m = warp_max(m);
-      if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
-    }
-    __syncthreads();
-    if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x])));
+    // pass 1: max |xs| per query row, the row's 2^-e
+    stage_row_scales<QR>(xoff_of, xs_at, len, amax, unscale, 1.f, lane);
     // pass 2: B fragments. Warp task = (n-tile, block); lane (col = g, t) holds query row 4 nt + g / 2, part g & 1,
     // values 8t + i of the block as pairs (i, i + 4).
 #pragma unroll 1

@@ -207,35 +207,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
       const int qg = q0 + q;
       return qg < k.qb ? b * p.x_sb + (hkv * k.gq + qg / k.tc) * p.x_sh + (k.t0 + qg % k.tc) * p.x_st + r0 : -1;
     };
+    const auto xval = [&](int64_t xoff, int r) { return load_x(p.x, p.x_dtype, xoff + r); };
     __syncthreads();
-#pragma unroll 1
-    for (int q = 0; q < QR; ++q) {
-      const int64_t xoff = xoff_of(q);
-      float m = 0.f;
-      if (xoff >= 0)
-        for (int r = threadIdx.x; r < rlen; r += blockDim.x) m = nan_max(m, fabsf(load_x(p.x, p.x_dtype, xoff + r)));
-      m = warp_max(m);
-      if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
-    }
-    __syncthreads();
-    if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x])));
+    stage_row_scales<QR>(xoff_of, xval, rlen, amax, unscale, 1.f, lane);
     // fragment of lane (col g, t) for k-step ks: x[q][16 ks + 4t .. + 3], q = 4 nt + g / 2, hi (g even) or lo
-#pragma unroll 1
-    for (int task = warp; task < NT * nks; task += kWarps) {
-      const int nt = task / nks, ks = task - nt * nks;
-      const int q = 4 * nt + (g >> 1);
-      const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
-      const int64_t xoff = xoff_of(q);
-      uint16_t hv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = 16 * ks + 4 * t + i;
-        const float v = xoff >= 0 && r < rlen ? load_x(p.x, p.x_dtype, xoff + r) * scale : 0.f;
-        const HalfSplit sp = split_half(v);
-        hv[i] = (g & 1) ? sp.lo : sp.hi;
-      }
-      xfrag[task * 32 + lane] = make_uint2(pack_half2(hv[0], hv[1]), pack_half2(hv[2], hv[3]));
-    }
+    stage_fragments_k16(xoff_of, xval, rlen, NT, nks, amax, xfrag, warp, kWarps, lane);
     __syncthreads();
 
     // ---- main loop: this warp's k-steps rlane, rlane + rw, ... of the split -------------------------------------------

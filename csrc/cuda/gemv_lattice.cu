@@ -551,34 +551,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_v_kernel
       return NB ? v * half_bits_to_float(__ldg(r_row + r * p.r_sn)) : v;
     };
     __syncthreads();
-#pragma unroll 1
-    for (int q = 0; q < QR; ++q) {
-      const int64_t xoff = xoff_of(q);
-      float m = 0.f;
-      if (xoff >= 0)
-        for (int r = threadIdx.x; r < rlen; r += blockDim.x) m = nan_max(m, fabsf(bval(xoff, r)));
-      m = warp_max(m);
-      if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
-    }
-    __syncthreads();
-    if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x]))) * 16.f;
+    stage_row_scales<QR>(xoff_of, bval, rlen, amax, unscale, 16.f, lane);
     // fragment of lane (col g, t) for k-step ks: p[q][16 ks + 4t .. + 3], q = 4 nt + g / 2, hi (g even) or lo
-#pragma unroll 1
-    for (int task = warp; task < NT * nks; task += kWarps) {
-      const int nt = task / nks, ks = task - nt * nks;
-      const int q = 4 * nt + (g >> 1);
-      const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
-      const int64_t xoff = xoff_of(q);
-      uint16_t hv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = 16 * ks + 4 * t + i;
-        const float v = xoff >= 0 && r < rlen ? bval(xoff, r) * scale : 0.f;
-        const HalfSplit sp = split_half(v);
-        hv[i] = (g & 1) ? sp.lo : sp.hi;
-      }
-      xfrag[task * 32 + lane] = make_uint2(pack_half2(hv[0], hv[1]), pack_half2(hv[2], hv[3]));
-    }
+    stage_fragments_k16(xoff_of, bval, rlen, NT, nks, amax, xfrag, warp, kWarps, lane);
     // the split's norms, [group][token] (0 past the split's end): a thread reads its four tokens' with one LDS.64
     for (int i = threadIdx.x; !NB && i < NGr * nks * 16; i += kThreads) {
       const int gi = i / (nks * 16), r = i - gi * (nks * 16);

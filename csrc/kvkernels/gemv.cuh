@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "../cuda/kernels.h"
+#include "mma.cuh"
 #include "packing.cuh"
 #include "quant.cuh"
 
@@ -102,6 +103,58 @@ __device__ __forceinline__ float load_x(const void* x, XDtype dt, int64_t i) {
 __device__ __forceinline__ float warp_max(float v) {
   for (int off = 16; off > 0; off >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
+}
+
+// ---- query-row staging of the tensor-core GEMVs --------------------------------------------------------------
+// The GEMVs feed each query row to the MMAs as hi / lo fp16 terms after scaling the row by 2^e, e chosen so its
+// max |value| lies in [2^14, 2^15) (mma.cuh: split_half, scale_exponent). These helpers are the two staging passes
+// the kernels share; value(xoff, l) is element l of the row at element offset xoff (xoff < 0: a row past the last
+// query row, staged as zeros).
+
+// Pass 1: amax[q] = max |value(xoff_of(q), l)| over l < len for the tile's QR rows (non-negative floats order like
+// their bits: one atomicMax per warp, order-independent; NaN propagates), then unscale[q] = 2^-e * unscale_mul.
+// amax must be zeroed, and that write visible (a barrier), before the call; ends with unscale written (the caller
+// synchronizes before reading it, as it does before reading its fragments).
+template <int QR, typename XOffOf, typename Value>
+__device__ __forceinline__ void stage_row_scales(const XOffOf& xoff_of, const Value& value, int len, unsigned* amax,
+                                                 float* unscale, float unscale_mul, int lane) {
+#pragma unroll 1
+  for (int q = 0; q < QR; ++q) {
+    const int64_t xoff = xoff_of(q);
+    float m = 0.f;
+    if (xoff >= 0)
+      for (int l = threadIdx.x; l < len; l += blockDim.x) m = nan_max(m, fabsf(value(xoff, l)));
+    m = warp_max(m);
+    if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
+  }
+  __syncthreads();
+  if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x]))) * unscale_mul;
+}
+
+// Pass 2 for B fragments of 16 consecutive reduction elements per k-step (gemv_kivi, gemv_lattice_v): warp task =
+// (n-tile nt, k-step ks); lane (col g, t) holds query row 4 nt + g / 2, part g & 1 (hi, lo), elements
+// 16 ks + 4t .. + 3 (0 past len) as two half2 words, at xfrag[task * 32 + lane].
+template <typename XOffOf, typename Value>
+__device__ __forceinline__ void stage_fragments_k16(const XOffOf& xoff_of, const Value& value, int len, int ntiles,
+                                                    int nks, const unsigned* amax, uint2* xfrag, int warp, int nwarps,
+                                                    int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+  for (int task = warp; task < ntiles * nks; task += nwarps) {
+    const int nt = task / nks, ks = task - nt * nks;
+    const int q = 4 * nt + (g >> 1);
+    const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
+    const int64_t xoff = xoff_of(q);
+    uint16_t hv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 16 * ks + 4 * t + i;
+      const float v = xoff >= 0 && r < len ? value(xoff, r) * scale : 0.f;
+      const HalfSplit sp = split_half(v);
+      hv[i] = (g & 1) ? sp.lo : sp.hi;
+    }
+    xfrag[task * 32 + lane] = make_uint2(pack_half2(hv[0], hv[1]), pack_half2(hv[2], hv[3]));
+  }
 }
 
 // ---- rows with arbitrary leading strides ------------------------------------------------------------------------
