@@ -142,10 +142,10 @@ def test_attention_tile_bytes_and_shared_memory():
     assert keys.tile_bytes(128) + values.tile_bytes(128) == 2 * (32 * 128 * 3 / 8 + 2 * 128)
     keys, values = sb.ATTN_PRESETS["kivi2"]  # 2 bits, scale + zero
     assert keys.tile_bytes(64) == 32 * 64 * 2 / 8 + 4 * 64
-    # key and value tiles [32][D + 4], queries [ROWS][D], probabilities [ROWS][32], 3 x ROWS row floats
-    # (smem_floats); the table reads the 4-row instantiation
-    assert sb.attention_smem_bytes(128, 16) == 4 * (2 * 32 * 132 + 16 * 128 + 16 * 32 + 48)
-    assert sb.attention_smem_bytes(64) == 4 * (2 * 32 * 68 + 4 * 64 + 4 * 32 + 12) and sb.ATTN_ROWS == 4
+    # key and value tiles [32][D + 4], queries [ROWS][D], probabilities [ROWS][32], 3 x ROWS row floats, key_x_scale
+    # [D] (smem_floats); the table reads the 4-row instantiation
+    assert sb.attention_smem_bytes(128, 16) == 4 * (2 * 32 * 132 + 16 * 128 + 16 * 32 + 48 + 128)
+    assert sb.attention_smem_bytes(64) == 4 * (2 * 32 * 68 + 4 * 64 + 4 * 32 + 12 + 64) and sb.ATTN_ROWS == 4
 
 
 def test_attention_markers_match_the_kernel_source():

@@ -39,6 +39,7 @@
 #include <cmath>
 
 #include "kvkernels/gemv.cuh"
+#include "kvkernels/mma.cuh"
 
 namespace kvk {
 namespace {
@@ -52,9 +53,9 @@ constexpr int64_t kMinSplitTokens = 256;  // planned splits keep at least 8 tile
 __host__ __device__ constexpr int tile_pitch(int D) { return D + 4; }
 
 // Shared memory (floats): key tile, value tile [kTile][D + 4]; queries [ROWS][D]; probabilities [ROWS][kTile];
-// per-row rescale factor, running max and sum [ROWS] each.
+// per-row rescale factor, running max and sum [ROWS] each; key_x_scale of the head [D] (read as float4).
 __host__ __device__ constexpr int smem_floats(int D, int rows) {
-  return 2 * kTile * tile_pitch(D) + rows * D + rows * kTile + 3 * rows;
+  return 2 * kTile * tile_pitch(D) + rows * D + rows * kTile + 3 * rows + D;
 }
 
 // One side (keys or values) of the CTA's (b, h_kv): windows and store resolved to that head.
@@ -70,8 +71,14 @@ struct Side {
   int bits;
   QuantMode mode;
   bool cols;
-  const float* xs;  // key_x_scale row of the head, or nullptr
+  const float* xs;  // key_x_scale row of the head (its shared-memory copy), or nullptr
 };
+
+// Group of 32-value block n when a group is bpg = G / 32 blocks: n itself (magic 0: bpg = 1), else
+// umulhi(n, ceil(2^32 / bpg)), exact for n < 2^32 / bpg (the launcher checks the stores' lengths). No division.
+__device__ __forceinline__ uint32_t group_of(uint32_t n, uint32_t bpg_magic) {
+  return bpg_magic == 0 ? n : umulhi(n, bpg_magic);
+}
 
 // base + off, or nullptr for an absent (empty) tensor: no arithmetic on a null pointer
 template <typename T>
@@ -102,22 +109,37 @@ __device__ __forceinline__ Side resolve(const AttnWindow& sink, const AttnWindow
   return s;
 }
 
-// 32 codes of one packed block (BITS words at `blk`), dequantized: v[i] = s * u_i + zeff.
+// 32 codes of one packed block (BITS words at `blk`), dequantized: v[i] = s * u_i + zeff. The codes are decoded
+// two per LOP3 + HFMA2 into exact fp16 integers (mma.cuh: the canonical word of "thread" q holds values 8q .. 8q + 7,
+// pair P = (8q + P, 8q + P + 4)) and widened to fp32, then the same FFMA as dequantize_groups: bit-identical to a
+// shift-mask-convert per value, in about half the instructions.
 template <int BITS>
-__device__ __forceinline__ void dequant_block(const uint32_t* __restrict__ blk, GroupAffine a, float (&v)[32]) {
+__device__ __forceinline__ void dequant_block(const uint32_t* __restrict__ blk, GroupAffine a, const DecodeConsts& kc,
+                                              float (&v)[32]) {
   uint32_t w[BITS];
 #pragma unroll
   for (int k = 0; k < BITS; ++k) w[k] = __ldg(blk + k);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) v[i] = fmaf(a.s, static_cast<float>(unpack_one<BITS>(w, i)), a.zeff);
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t X = gather_inner_q<BITS>(w, q);
+    const uint32_t Xh = BITS == 3 ? gather_inner_q_high_plane(w, q) : 0u;
+    uint32_t h[4];
+    decode_inner_q<BITS, 0>(X, Xh, kc, h);
+#pragma unroll
+    for (int P = 0; P < 4; ++P) {
+      v[8 * q + P] = fmaf(a.s, half_bits_to_float(static_cast<uint16_t>(h[P])), a.zeff);
+      v[8 * q + P + 4] = fmaf(a.s, half_bits_to_float(static_cast<uint16_t>(h[P] >> 16)), a.zeff);
+    }
+  }
 }
 
-__device__ __forceinline__ void dequant_block_rt(int bits, const uint32_t* blk, GroupAffine a, float (&v)[32]) {
+__device__ __forceinline__ void dequant_block_rt(int bits, const uint32_t* blk, GroupAffine a, const DecodeConsts& kc,
+                                                 float (&v)[32]) {
   switch (bits) {
-    case 1: dequant_block<1>(blk, a, v); break;
-    case 2: dequant_block<2>(blk, a, v); break;
-    case 3: dequant_block<3>(blk, a, v); break;
-    default: dequant_block<4>(blk, a, v); break;
+    case 1: dequant_block<1>(blk, a, kc, v); break;
+    case 2: dequant_block<2>(blk, a, kc, v); break;
+    case 3: dequant_block<3>(blk, a, kc, v); break;
+    default: dequant_block<4>(blk, a, kc, v); break;
   }
 }
 
@@ -129,7 +151,8 @@ __device__ __forceinline__ GroupAffine affine_of(const Side& sd, int64_t srow, i
 
 // Token unit: channels [32 cb, 32 cb + 32) of token j (tile row jj; valid = jj < n) into tile row jj.
 template <int D>
-__device__ __forceinline__ void stage_token_unit(const Side& sd, XDtype dt, int64_t S, int G, int64_t j, bool valid,
+__device__ __forceinline__ void stage_token_unit(const Side& sd, const DecodeConsts& kc, XDtype dt, int64_t S,
+                                                 uint32_t bpg_magic, int64_t j, bool valid,
                                                  int cb, float* __restrict__ row) {
   float v[32];
   const int c0 = 32 * cb;
@@ -144,11 +167,14 @@ __device__ __forceinline__ void stage_token_unit(const Side& sd, XDtype dt, int6
     for (int i = 0; i < 32; ++i) v[i] = load_x(base, dt, off + i);
   } else {  // "rows" store token: one packed block, one group
     const int64_t r = j - S;
-    const GroupAffine a = affine_of(sd, r * sd.s_sr, r * sd.z_sr, c0 / G);
-    dequant_block_rt(sd.bits, sd.codes + r * sd.c_sr + static_cast<int64_t>(cb) * sd.bits, a, v);
+    const GroupAffine a = affine_of(sd, r * sd.s_sr, r * sd.z_sr, group_of(cb, bpg_magic));
+    dequant_block_rt(sd.bits, sd.codes + r * sd.c_sr + static_cast<int64_t>(cb) * sd.bits, a, kc, v);
     if (sd.xs != nullptr) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] *= __ldg(sd.xs + c0 + i);
+      for (int i = 0; i < 32; i += 4) {
+        const float4 x4 = *reinterpret_cast<const float4*>(sd.xs + c0 + i);
+        v[i] *= x4.x, v[i + 1] *= x4.y, v[i + 2] *= x4.z, v[i + 3] *= x4.w;
+      }
     }
   }
 #pragma unroll
@@ -158,12 +184,13 @@ __device__ __forceinline__ void stage_token_unit(const Side& sd, XDtype dt, int6
 // Channel unit of a tile wholly inside a "cols" store: tokens [j0, j0 + 32) of channel c (store column j0 - S, a
 // multiple of 32, inside one group of G); tile rows >= n get zeros.
 template <int D>
-__device__ __forceinline__ void stage_channel_unit(const Side& sd, int64_t col0, int G, int n, int c,
+__device__ __forceinline__ void stage_channel_unit(const Side& sd, const DecodeConsts& kc, int64_t col0, uint32_t bpg_magic,
+                                                   int n, int c,
                                                    float* __restrict__ tile) {
   float v[32];
-  const GroupAffine a = affine_of(sd, c * sd.s_sr, c * sd.z_sr, col0 / G);
-  dequant_block_rt(sd.bits, sd.codes + c * sd.c_sr + (col0 / 32) * sd.bits, a, v);
-  const float xs = sd.xs != nullptr ? __ldg(sd.xs + c) : 1.f;
+  const GroupAffine a = affine_of(sd, c * sd.s_sr, c * sd.z_sr, group_of(static_cast<uint32_t>(col0 / 32), bpg_magic));
+  dequant_block_rt(sd.bits, sd.codes + c * sd.c_sr + (col0 / 32) * sd.bits, a, kc, v);
+  const float xs = sd.xs != nullptr ? sd.xs[c] : 1.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) tile[i * tile_pitch(D) + c] = i < n ? v[i] * xs : 0.f;
 }
@@ -172,13 +199,14 @@ __device__ __forceinline__ void stage_channel_unit(const Side& sd, int64_t col0,
 // w % 32, channels of block w / 32). The side is passed by value, never selected by reference (that would put
 // both sides in local memory).
 template <int D>
-__device__ __forceinline__ void stage_unit(const Side& sd, XDtype dt, int64_t S, int G, int64_t j0, int n, int w,
+__device__ __forceinline__ void stage_unit(const Side& sd, const DecodeConsts& kc, XDtype dt, int64_t S, uint32_t bpg_magic,
+                                           int64_t j0, int n, int w,
                                            float* __restrict__ tile) {
   if (sd.cols && j0 >= S && j0 < S + sd.m) {
-    stage_channel_unit<D>(sd, j0 - S, G, n, w, tile);
+    stage_channel_unit<D>(sd, kc, j0 - S, bpg_magic, n, w, tile);
   } else {
     const int jj = w % kTile, cb = w / kTile;
-    stage_token_unit<D>(sd, dt, S, G, j0 + jj, jj < n, cb, tile + jj * tile_pitch(D));
+    stage_token_unit<D>(sd, kc, dt, S, bpg_magic, j0 + jj, jj < n, cb, tile + jj * tile_pitch(D));
   }
 }
 
@@ -221,6 +249,8 @@ struct AttnLaunch {
   int num_splits;
   int row_blocks;    // CTAs per (b, h_kv) along the R = gq * T query rows
   int gq;            // query heads per KV head
+  uint32_t bpg_magic;              // group_of's magic for G / 32 blocks per group (0: G = 32)
+  DecodeConsts dec_k, dec_v;       // the code decoders' constants for the key and the value bits (constant bank)
 };
 
 // min blocks 3 (<= 170 registers: 3 CTAs / SM, 132 KB of shared memory): with the thread count alone ptxas capped
@@ -238,6 +268,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   float* const alpha_s = ps + kRows * kTile;
   float* const m_s = alpha_s + kRows;
   float* const l_s = m_s + kRows;
+  float* const xs_s = l_s + kRows;         // [D] key_x_scale of the head (16-byte aligned: every part above is)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rb = static_cast<int>(blockIdx.x % static_cast<unsigned>(L.row_blocks));
@@ -248,10 +279,12 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   const int64_t T = p.T, N = cnt.N, S = cnt.S;
   const int R = L.gq * static_cast<int>(T);
   const int r0 = rb * kRows, nr = min(kRows, R - r0);
-  const int G = p.group_size;
 
+  // the head's key_x_scale, staged once (a token unit reads 32 of it as 8 float4 per tile)
+  if (p.key_x_scale != nullptr)
+    for (int c = tid; c < D; c += kThreads) xs_s[c] = __ldg(p.key_x_scale + hk * p.xs_sh + c);
   const Side sk = resolve(p.sink_k, p.tail_k, p.keys, cnt.mk, p.window_dtype, b, hk,
-                          p.key_x_scale != nullptr ? p.key_x_scale + hk * p.xs_sh : nullptr);
+                          p.key_x_scale != nullptr ? xs_s : nullptr);
   const Side sv = resolve(p.sink_v, p.tail_v, p.values, cnt.mv, p.window_dtype, b, hk, nullptr);
 
   // token range of the split (with device lengths the grid is planned for the capacities: a split past N is empty and
@@ -292,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   float acc[kOut];
 #pragma unroll
   for (int k = 0; k < kOut; ++k) acc[k] = 0.f;
+  __syncthreads();  // xs_s is read by other threads' staging
 
   for (int64_t j0 = lo; j0 < hi;) {
     const int64_t j1 = j0 < S ? min(S, j0 + kTile) : min(hi, j0 + kTile);
@@ -299,9 +333,9 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
     // (1) stage keys (units 0 .. D-1) and values (units D .. 2D-1); warp-uniform side
     for (int u = tid; u < 2 * D; u += kThreads) {
       if (u < D)
-        stage_unit<D>(sk, p.window_dtype, S, G, j0, n, u, ks);
+        stage_unit<D>(sk, L.dec_k, p.window_dtype, S, L.bpg_magic, j0, n, u, ks);
       else
-        stage_unit<D>(sv, p.window_dtype, S, G, j0, n, u - D, vs);
+        stage_unit<D>(sv, L.dec_v, p.window_dtype, S, L.bpg_magic, j0, n, u - D, vs);
     }
     __syncthreads();
     // (2) scores and the online softmax of the warp's rows
@@ -495,6 +529,16 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
     return pl;
   }
   pl.launch.gq = static_cast<int>(gq);
+  const int64_t bpg = G / 32;
+  pl.launch.bpg_magic = bpg == 1 ? 0u : static_cast<uint32_t>(((uint64_t{1} << 32) + bpg - 1) / bpg);
+  for (const AttnStore* st : {&p.keys, &p.values}) {  // group_of is exact for block indices < 2^32 / bpg
+    if (st->layout == StoreLayout::kCols && (st->m / 32 + 1) * bpg > (int64_t{1} << 32)) {
+      pl.error = "store too long for its group_size (block index past the exact range of the group lookup)";
+      return pl;
+    }
+  }
+  pl.launch.dec_k = decode_consts(p.keys.bits, 0);
+  pl.launch.dec_v = decode_consts(p.values.bits, 0);
   pl.launch.row_blocks = static_cast<int>(ceil_div(R, block_rows));
   const int64_t ctas = p.B * p.H_kv * pl.launch.row_blocks;
   const int64_t tokens = p.N - S;  // past the sink (device lengths: the most there can be)
