@@ -59,10 +59,12 @@ def test_records_every_config_of_a_preset(tb):
     assert gemvs == {"scores", "output"}
     gemv_kivi = importlib.import_module("kvkernels.triton_kernels.gemv_kivi")  # the module (the package exports the op)
 
-    # every autotune config is a launch of its own, with the config's tile and warps
+    # every autotune config the pruning keeps at 8 query rows is a launch of its own, with the config's tile and warps
     out = [ln for ln in launches if ln.gemv == "output"]
-    assert len(out) == len(gemv_kivi._CONFIGS)
-    assert {ln.constexprs["BLOCK_R"] for ln in out} == {c.kwargs["BLOCK_R"] for c in gemv_kivi._CONFIGS}
+    kept = gemv_kivi._prune(gemv_kivi._CONFIGS, {"QP": 8})
+    assert len(out) == len(kept) == len(gemv_kivi._CONFIGS) - 1  # the 16-row config serves 64 query rows only
+    assert {ln.constexprs["BLOCK_R"] for ln in out} == {c.kwargs["BLOCK_R"] for c in kept}
+    assert [c.kwargs["BLOCK_R"] for c in gemv_kivi._prune(gemv_kivi._CONFIGS, {"QP": 64})] == [16]
     assert all(ln.constexprs["BITS"] == 2 and ln.constexprs["QP"] == 8 for ln in out)
 
 

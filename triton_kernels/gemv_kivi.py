@@ -41,11 +41,14 @@ from ._common import (
 
 # Autotune configs (BLOCK_R rows per iteration = the MMA's K, num_warps, num_stages): 64 rows x 4 warps is the
 # default and the only config under TRITON_INTERPRET=1; 32 rows halves the per-iteration registers (more programs
-# resident), 128 rows x 8 warps halves the loop overhead per byte on long reductions.
+# resident), 128 rows x 8 warps halves the loop overhead per byte on long reductions. 16 rows (the MMA's smallest K)
+# is the only one tried at 64 query rows (q_len 16 x GQA 4): there every other config spills under triton 3.6, the
+# GPU machines' version (24-536 B of local memory; tests/triton_aot/compile_check.py run with triton 3.6).
 _CONFIGS = [
     triton.Config({"BLOCK_R": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_R": 32}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_R": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_R": 16}, num_warps=4, num_stages=3),
 ]
 _SPLIT_BLOCK_R = 128  # rows the split of R is planned in (a multiple of every config's BLOCK_R)
 
@@ -155,9 +158,14 @@ def _gemv_kivi_kernel(
 
 
 def _prune(configs, named_args, **kwargs):
-    """At 32+ query rows the 128-row chunk spills (its [BLOCK_R, QP] activations in three parts): drop it."""
+    """The [BLOCK_R, QP] activations in three parts must fit the registers: at 32 query rows the 128-row chunk spills;
+    64 query rows take the 16-row chunk alone (below 64 it only adds a config to try: left out)."""
     qp = kwargs.get("QP", named_args.get("QP", 8))
-    return [c for c in configs if qp < 32 or c.kwargs["BLOCK_R"] < 128] or configs[:1]
+    if qp >= 64:
+        keep = [c for c in configs if c.kwargs["BLOCK_R"] == 16]
+    else:
+        keep = [c for c in configs if c.kwargs["BLOCK_R"] != 16 and (qp < 32 or c.kwargs["BLOCK_R"] < 128)]
+    return keep or configs[:1]
 
 
 _gemv_kivi_tuned = triton.autotune(
