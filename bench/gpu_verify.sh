@@ -20,7 +20,8 @@
 # Two calls cover everything in ~20 device-minutes: the default, then
 #   VERIFY_STAGES=build,racecheck,attention,generate bash bench/gpu_verify.sh OUTDIR2
 # At most 8 files come back from the GPU machine, so OUTDIR holds at most: summary.txt, tests.log, sanitizer.log,
-# extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, attention/generate logs and JSON),
+# extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, synccheck.log, attention/generate logs and
+# JSON),
 # bench/<device>-<date>.json, 3 PNGs.
 #
 # Env: PYTHON (python3), VERIFY_STAGES, VERIFY_BUDGET_S (560), VERIFY_COMMIT (the tree travels without .git),
@@ -134,13 +135,14 @@ fi
 # device lengths); no CUDA-graph tests (the uncaching allocator makes a capture call cudaMalloc, which fails by design)
 MEMCHECK_K='(test_inner_q_shapes and T3 and (b1 or b3)) or (test_kivi_shapes and T3 and (b2 or b4))'
 MEMCHECK_K+=' or (test_lattice_shapes and T3 and eden2-16) or (test_aqua_shapes and fp16)'
-MEMCHECK_K+=' or (test_decode_attention_fused_shapes and fp16 and T3) or (test_decode_attention_fused_layouts_bits and 64])'
+MEMCHECK_K+=' or (test_decode_attention_fused_shapes and fp16 and 5-256) or (test_decode_attention_fused_layouts_bits and 64-key)'
 MEMCHECK_K+=' or test_decode_attention_fused_device_lengths or test_decode_attention_fused_masks'
 MEMCHECK_K+=' or (test_quantize_into_matches_cpu_bit_exact and G32 and fp16 and (b2 or b3))'
 MEMCHECK_K+=' or (test_dequantize_matches_cpu_bit_exact and narrowed and (b1 or b3))'
 MEMCHECK_K+=' or (test_inner_q_views_and_xscale and misaligned and T3 and b3) or (test_kivi_views and misaligned and b2)'
 # racecheck / synccheck: the kernels with shared-memory exchanges (split staging, cp.async pipelines, merges)
-RACE_K='(test_decode_attention_fused_masks) or (test_aqua_shapes and fp16 and rank128)'
+RACE_K='test_decode_attention_fused_masks or (test_decode_attention_fused_layouts_bits and 64-key1-)'
+RACE_K+=' or (test_aqua_shapes and fp16 and rank128)'
 RACE_K+=' or (test_inner_q_shapes and b3 and D128-M37 and T3) or (test_kivi_shapes and b2 and T3 and gqa4)'
 RACE_K+=' or (test_lattice_shapes and T3 and eden2-16 and N1031)'
 SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1 || true)
@@ -174,9 +176,9 @@ if want memcheck; then
 fi
 if want racecheck; then
   stage "racecheck, synccheck"
-  for tool in racecheck synccheck; do
-    echo "== $tool -k: $RACE_K" >>"$WORK/racecheck.log"
-    sanitize "$tool" "$RACE_K" 90 "$WORK/racecheck.log"
+  for tool in racecheck synccheck; do  # a log each: a tool's ERROR SUMMARY count must not include the other's
+    echo "== $tool -k: $RACE_K" >"$WORK/$tool.log"
+    sanitize "$tool" "$RACE_K" 90 "$WORK/$tool.log"
   done
 fi
 
@@ -260,7 +262,7 @@ else:
     for line in topline(res):
         print("  " + line)
 EOF
-tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml demo.log bench.log racecheck.log \
+tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml demo.log bench.log racecheck.log synccheck.log \
   attention_step.log attention_step.json generate_step.log generate_step.json 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"

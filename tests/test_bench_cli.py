@@ -132,7 +132,7 @@ def test_generate_step_bench_runs(tmp_path):
     pytest.importorskip("transformers")
     script = Path(__file__).resolve().parents[1] / "bench" / "generate_step.py"
     out = tmp_path / "gen.json"
-    args = ["--device", "cpu", "--tokens", "40", "--new", "3", "--reps", "1", "--presets", "kivi2"]
+    args = ["--device", "cpu", "--tokens", "40", "--new", "4", "--reps", "1", "--presets", "kivi2"]
     proc = subprocess.run(
         [sys.executable, str(script), *args, "--backend", "aot_eager", "--json", str(out)],
         capture_output=True, text=True, timeout=600,

@@ -3,6 +3,7 @@ silently, before a GPU session spends device minutes on it. The GPU-only stages 
 the test stage is pointed at one small test file."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,3 +58,35 @@ def test_a_test_stage_cut_at_its_cap_still_counts(tmp_path):
 def test_unknown_stage_is_an_error(tmp_path):
     proc, _ = _run(tmp_path, VERIFY_STAGES="build,benchmark")
     assert proc.returncode == 2 and "unknown stage 'benchmark'" in proc.stderr
+
+
+def _filter(name: str) -> str:
+    """The -k expression the script assembles in NAME='...' and NAME+='...' lines."""
+    parts = re.findall(rf"^{name}\+?='([^']*)'", SCRIPT.read_text(), flags=re.M)
+    assert parts, f"no {name} in {SCRIPT}"
+    return "".join(parts)
+
+
+def _selected(k: str) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda_kernels.py", "--collect-only", "-q"]
+    proc = subprocess.run([*cmd, "-k", f"({k}) and not graph"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return [ln.split("::")[1] for ln in proc.stdout.splitlines() if "::" in ln]
+
+
+@pytest.mark.parametrize(
+    "name,families,most",
+    [
+        ("MEMCHECK_K", ("inner_q", "kivi", "lattice", "aqua", "decode_attention_fused_shapes",
+                        "decode_attention_fused_layouts", "decode_attention_fused_device_lengths", "quantize",
+                        "dequantize"), 150),
+        ("RACE_K", ("inner_q", "kivi", "lattice", "aqua", "decode_attention_fused_layouts",
+                    "decode_attention_fused_masks"), 20),
+    ],
+)  # fmt: skip
+def test_sanitizer_filters_select_every_kernel_family(name, families, most):
+    # the test ids are the parametrize ids: a filter written against ids that do not exist selects nothing, silently
+    tests = _selected(_filter(name))
+    assert 0 < len(tests) <= most, len(tests)
+    for family in families:
+        assert any(family in t for t in tests), f"{name} selects no {family} test"
+    assert not any("graph" in t for t in tests)

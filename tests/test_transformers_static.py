@@ -8,6 +8,8 @@ dynamic KVKernelsCache: the same tokens are quantized the same way and the fused
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -160,8 +162,49 @@ def test_empty_keys_without_a_static_prefill_raise(model):
 
     attn = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 1, 32)
-    with pytest.raises(RuntimeError, match="no KVKernelsStaticCache prefill bound this layer"):
+    with pytest.raises(RuntimeError, match="no KVKernelsStaticCache layer bound to this module"):
         kvkernels_attention_forward(attn, q, torch.zeros(1, 2, 0, 32), torch.zeros(1, 2, 0, 32), None)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_two_caches_on_one_model_each_attend_their_own(model, prompt, compiled):
+    # the attention modules are shared: cache B's prefill must not make A's next decode step read B's buffers
+    kw = {"compile_config": _compile_config()} if compiled else {}
+    a = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
+    b = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
+    ids_a, _ = _generate(model, prompt, a, max_new_tokens=6, **kw)
+    _generate(model, prompt.flip(1), b, max_new_tokens=6, **kw)
+    more_a, logits = _generate(model, ids_a, a, max_new_tokens=6, **kw)  # A's conversation continues
+    d = KVKernelsCache("kivi2", config=model.config, **SMALL)
+    ids_d, _ = _generate(model, prompt, d, max_new_tokens=6)
+    more_d, want = _generate(model, ids_d, d, max_new_tokens=6)
+    assert torch.equal(ids_a, ids_d) and torch.equal(more_a, more_d)
+    torch.testing.assert_close(logits, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_another_attention_implementation_raises(model, prompt):
+    # SDPA would read the decode steps' empty K/V as "no tokens" and generate plausible nonsense: refuse instead
+    model.set_attn_implementation("sdpa")
+    cache = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
+    with pytest.raises(RuntimeError, match="attention implementation other than 'kvkernels'"):
+        _generate(model, prompt, cache, max_new_tokens=3)
+
+
+def test_a_new_prompt_without_reset_raises(model, prompt):
+    cache = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
+    ids, _ = _generate(model, prompt, cache, max_new_tokens=3)
+    longer = torch.cat([ids, ids[:, :5]], dim=1)  # transformers hands the cache the 6 tokens past its length
+    with pytest.raises(ValueError, match=r"needs cache.reset\(\) first"):
+        _generate(model, longer, cache, max_new_tokens=3)
+
+
+def test_the_model_does_not_keep_a_dropped_cache_alive(model, prompt):
+    cache = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
+    _generate(model, prompt, cache, max_new_tokens=3)
+    buffers = weakref.ref(cache.layers[0].static)
+    del cache
+    gc.collect()
+    assert buffers() is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

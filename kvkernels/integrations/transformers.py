@@ -80,6 +80,7 @@ Only full-attention layers are supported (no sliding-window / linear-attention l
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -114,8 +115,9 @@ from .compat import cache_kwarg
 ATTN_IMPLEMENTATION = "kvkernels"
 METHODS = (*PRESETS, "fp16")
 _HANDLE_ATTR = "_kvkernels_layer"
-# a static cache's prefill tags the key it returns with its layer; the attention function keeps that layer on the
-# attention module (same attribute name), where the compiled decode steps find it
+# a static cache's prefill tags the key it returns with its layer; the attention function tells the layer which
+# attention module serves it, and every decode update of the layer puts a weak reference to itself on that module
+# (same attribute name), where the attention function of the (compiled) step finds it
 _STATIC_ATTR = "_kvkernels_static_layer"
 # options that configure the cache object rather than the quantization format
 _CACHE_OPTIONS = ("capacity", "fused", "max_fused_q_len", "key_norm_factors", "rope_paired", "num_layers")
@@ -563,6 +565,8 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         self.cache = None  # the layer cache the prompt is quantized into (taken over by `static`)
         self.static = None
         self._prompt_tokens = 0
+        self._module = None  # the attention module that runs this layer (bound by the attention function)
+        self._self_ref = weakref.ref(self)  # what the module holds: a dropped cache is not kept alive by the model
 
     def __repr__(self):
         return f"{type(self).__name__}({type(self.config).__name__}, max_cache_len={self.max_cache_len})"
@@ -582,7 +586,23 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         it to the static buffers, return empty tensors (the attention function reads the buffers)."""
         if self.static is None:
             return self._prefill(key_states, value_states)
+        if self._module is None:  # the prompt's attention did not run "kvkernels": empty K/V would be read as no tokens
+            raise RuntimeError(
+                f"KVKernelsStaticCache: layer {self.layer_idx}'s prompt went through an attention implementation "
+                f"other than {ATTN_IMPLEMENTATION!r}; call model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (or "
+                f"load the model with attn_implementation={ATTN_IMPLEMENTATION!r}), then cache.reset() and generate "
+                "again"
+            )
+        if key_states.shape[2] != self.static.step_tokens:
+            raise ValueError(
+                f"KVKernelsStaticCache decodes {self.static.step_tokens} token per step, got {key_states.shape[2]} at "
+                f"layer {self.layer_idx}: a new prompt on a used cache needs cache.reset() first (or a new cache); "
+                "assisted / prompt-lookup decoding and chunked prefill need KVKernelsCache"
+            )
         self.static.append(key_states, value_states)
+        # this layer's attention module may serve another static cache's layer meanwhile (two caches on one model):
+        # every step says which one it is now
+        setattr(self._module, _STATIC_ATTR, self._self_ref)
         B, H, _, D = key_states.shape
         return key_states.new_empty((B, H, 0, D)), value_states.new_empty((B, H, 0, D))
 
@@ -641,8 +661,10 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         return self.static.batch
 
     def reset(self) -> None:
-        """Forget every token: the next update is a new prompt (and new buffers: a compiled step recompiles)."""
+        """Forget every token: the next update is a new prompt, into new buffers (under mode="reduce-overhead" the
+        step's CUDA graph is then recorded again; dynamo does not recompile)."""
         self.cache = self.static = None
+        self._module = None
 
     def _unsupported(self, what: str):
         raise NotImplementedError(
@@ -683,9 +705,15 @@ class KVKernelsStaticCache(Cache):
         out = model.generate(ids, past_key_values=cache, max_new_tokens=256)          # CUDA graphs on a GPU
 
     max_cache_len: the most tokens (prompt + generated) a layer holds; buffers are allocated for it at the prefill.
-    The decode steps append one token each: beam search, assisted and prompt-lookup decoding, crop and batch
-    edits raise (use KVKernelsCache). A prompt of a later generate() call on the same cache re-prefills it (the
-    compiled step then recompiles for the new buffers; build a cache per batch of prompts instead).
+    Past it (the stores' real capacity is max_cache_len plus a step, rounded up to the store's capacity unit) a step
+    indexes out of its buffers: an IndexError on CPU, a device-side assert on CUDA, as with transformers' StaticCache.
+    The decode steps append one token each: beam search, assisted and prompt-lookup decoding, crop and batch edits
+    raise (use KVKernelsCache). A later generate() call continues the cache's conversation (its input_ids the whole
+    sequence so far); a new prompt needs cache.reset() first, else the update raises. Every prefill allocates new
+    buffers: dynamo does not recompile the step, but under mode="reduce-overhead" its CUDA graph is recorded again
+    (once per cache or reset; not measured on a GPU yet).
+    The cache's layers hold the attention modules that serve them, and a module holds only a weak reference back:
+    several caches can share one model, and a dropped cache is freed.
     Other arguments as KVKernelsCache (capacity: the prefill's initial store capacity).
     """
 
@@ -827,13 +855,16 @@ def kvkernels_attention_forward(
     """
     eager = not torch.compiler.is_compiling()
     layer = getattr(key, _HANDLE_ATTR, None) if eager else None
-    if layer is None and key.shape[2] == 0:  # a static cache's decode step: the layer its prefill bound here
-        layer = getattr(module, _STATIC_ATTR, None)
+    if layer is None and key.shape[2] == 0:  # a static cache's decode step: the layer its update put here
+        ref = getattr(module, _STATIC_ATTR, None)
+        layer = ref() if ref is not None else None
         if layer is None:
-            raise RuntimeError("kvkernels attention: empty keys, and no KVKernelsStaticCache prefill bound this layer")
+            raise RuntimeError(
+                "kvkernels attention: empty keys, and no KVKernelsStaticCache layer bound to this module"
+            )
     if layer is None:
         if eager and (static := getattr(key, _STATIC_ATTR, None)) is not None:
-            setattr(module, _STATIC_ATTR, static)  # a static cache's prefill: its decode steps come here
+            static._module = module  # a static cache's prefill: its decode updates bind themselves here
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
