@@ -9,6 +9,7 @@ dynamic KVKernelsCache: the same tokens are quantized the same way and the fused
 
 import copy
 import gc
+import io
 import weakref
 
 import pytest
@@ -201,6 +202,10 @@ def test_a_new_prompt_without_reset_raises(model, prompt):
 def test_the_model_does_not_keep_a_dropped_cache_alive(model, prompt):
     cache = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
     _generate(model, prompt, cache, max_new_tokens=3)
+    # the model can still be pickled and copied, and carries no cache when it is
+    torch.save(model, io.BytesIO())
+    attn = copy.deepcopy(model).model.layers[0].self_attn
+    assert getattr(attn, "_kvkernels_static_layer")() is None
     buffers = weakref.ref(cache.layers[0].static)
     del cache
     gc.collect()

@@ -119,6 +119,24 @@ _HANDLE_ATTR = "_kvkernels_layer"
 # attention module serves it, and every decode update of the layer puts a weak reference to itself on that module
 # (same attribute name), where the attention function of the (compiled) step finds it
 _STATIC_ATTR = "_kvkernels_static_layer"
+
+
+class _LayerRef:
+    """A weak reference to a KVKernelsStaticLayer, as its attention module holds it: a dropped cache is freed, and a
+    pickled or deep-copied model carries no cache (it pickles as a dead reference; a weakref itself cannot be)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, layer=None):
+        self._ref = None if layer is None else weakref.ref(layer)
+
+    def __call__(self):
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self):
+        return (_LayerRef, ())
+
+
 # options that configure the cache object rather than the quantization format
 _CACHE_OPTIONS = ("capacity", "fused", "max_fused_q_len", "key_norm_factors", "rope_paired", "num_layers")
 
@@ -566,7 +584,7 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         self.static = None
         self._prompt_tokens = 0
         self._module = None  # the attention module that runs this layer (bound by the attention function)
-        self._self_ref = weakref.ref(self)  # what the module holds: a dropped cache is not kept alive by the model
+        self._self_ref = _LayerRef(self)  # what the module holds: a dropped cache is not kept alive by the model
 
     def __repr__(self):
         return f"{type(self).__name__}({type(self.config).__name__}, max_cache_len={self.max_cache_len})"
