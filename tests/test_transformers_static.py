@@ -205,7 +205,7 @@ def test_the_model_does_not_keep_a_dropped_cache_alive(model, prompt):
     # the model can still be pickled and copied, and carries no cache when it is
     torch.save(model, io.BytesIO())
     attn = copy.deepcopy(model).model.layers[0].self_attn
-    assert getattr(attn, "_kvkernels_static_layer")() is None
+    assert attn._kvkernels_static_layer() is None
     buffers = weakref.ref(cache.layers[0].static)
     del cache
     gc.collect()
