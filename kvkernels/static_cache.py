@@ -172,6 +172,42 @@ class StaticLayerCache:
         for t in self._buffers():
             torch._dynamo.mark_static_address(t)
 
+    def load(self, cache: QuantizedLayerCache) -> None:
+        """Replace every token with those of `cache`, a freshly prefilled layer cache of the same format, shape, dtype
+        and device: its sink, stores, tails, key norm and counts are copied into this cache's buffers, whose
+        addresses stay, so a compiled step (or a captured CUDA graph) replays over the new prompt without being
+        recorded again. `cache` itself is left as it was (a temporary)."""
+        c = self.cache
+        same = (type(cache), cache.config, cache.batch, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
+        if same != (type(c), c.config, c.batch, c.num_kv_heads, c.head_dim, c.dtype, c.device):
+            raise ValueError(
+                "load() takes a layer cache of the same format config, batch, heads, head_dim, dtype and device"
+            )
+        if cache.seq_len == 0:
+            raise ValueError("the cache is empty: prefill it (dynamically) before loading it")
+        if cache.seq_len > self.max_tokens:
+            raise ValueError(f"the cache holds {cache.seq_len} tokens, over max_tokens={self.max_tokens}")
+        for side, tail in ((self.keys, cache.key_tail), (self.values, cache.value_tail)):
+            if tail.shape[2] > side.tail.shape[2] - self.step_tokens:
+                raise ValueError(f"the cache's tail holds {tail.shape[2]} tokens, over its window")
+        if (self.key_norm is None) != (cache.key_norm is None):
+            raise ValueError("load() takes a cache whose key norm is present exactly when this one's is")
+        with torch.no_grad():
+            c._sink_k.copy_(cache._sink_k)
+            c._sink_v.copy_(cache._sink_v)
+            for side, store, tail in ((self.keys, cache.key_store, cache.key_tail),
+                                      (self.values, cache.value_store, cache.value_tail)):  # fmt: skip
+                for dst, src in zip(QuantStore.views(side.store, 0, store.n), QuantStore.views(store), strict=True):
+                    if dst is not None:
+                        dst.copy_(src)
+                side.store.n = store.n
+                side.tail.zero_()
+                side.tail[:, :, : tail.shape[2]] = tail
+            if self.key_norm is not None:
+                self.key_norm.copy_(cache.key_norm)
+            counts = cache.token_counts()
+            self.lengths.copy_(torch.tensor([counts[n] for n in LENGTH_NAMES], dtype=torch.int64))
+
     def _buffers(self):
         yield from (self.cache._sink_k, self.cache._sink_v, self.lengths)
         for side in (self.keys, self.values):

@@ -53,6 +53,47 @@ def test_static_steps_equal_the_dynamic_cache(preset, prefill, step_tokens):
         assert torch.equal(got, want)  # the same tokens quantized into the same groups
 
 
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
+def test_load_takes_a_new_prompt_into_the_same_buffers(preset):
+    # a used static cache loads another prompt: the buffers keep their addresses (a captured graph replays over them)
+    # and every later step equals a dynamic cache fed that prompt
+    k, v = _kv(260, seed=3)
+    _, static = _pair(preset, 120, k, v, max_tokens=260, step_tokens=1)
+    for i in range(120, 160):  # the old conversation advances
+        static.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+    before = [t.data_ptr() for t in static._buffers()]
+    k2, v2 = _kv(200, seed=4)
+    dyn, fresh = _pair(preset, 90, k2, v2, max_tokens=200, step_tokens=1)
+    static.load(fresh.cache)
+    assert [t.data_ptr() for t in static._buffers()] == before
+    assert static.token_counts() == dyn.token_counts()
+    g = torch.Generator().manual_seed(5)
+    for i in range(90, 200):
+        dyn.append(k2[:, :, i : i + 1], v2[:, :, i : i + 1])
+        static.append(k2[:, :, i : i + 1], v2[:, :, i : i + 1])
+        q = torch.randn(B, H_Q, 1, D, generator=g)
+        torch.testing.assert_close(static.attention(q), dyn.attention(q, fused_op=True), rtol=1e-5, atol=1e-6)
+    for got, want in zip(static.dequantized(), dyn.dequantized(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_load_refuses_another_shape_or_format():
+    k, v = _kv(100)
+    _, static = _pair("kivi2", 60, k, v, max_tokens=100, step_tokens=1)
+    other = make_layer_cache(PRESETS["kivi4"], B, H_KV, D, capacity=64, dtype=torch.float16)
+    other.prefill(k[:, :, :60], v[:, :, :60])
+    with pytest.raises(ValueError, match="same format config"):
+        static.load(other)
+    empty = make_layer_cache(PRESETS["kivi2"], B, H_KV, D, capacity=64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="the cache is empty"):
+        static.load(empty)
+    big = make_layer_cache(PRESETS["kivi2"], B, H_KV, D, capacity=64, dtype=torch.float16)
+    k3, v3 = _kv(120)
+    big.prefill(k3, v3)
+    with pytest.raises(ValueError, match="over max_tokens=100"):
+        static.load(big)
+
+
 def test_static_mask_equals_the_dynamic_mask():
     k, v = _kv(190)
     dyn, static = _pair("kivi2", 180, k, v, max_tokens=200, step_tokens=2)

@@ -121,14 +121,21 @@ def test_inductor_compiles_the_step(model, prompt):
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
 
 
-def test_reset_then_a_new_prompt(model, prompt):
-    cache = KVKernelsStaticCache("kivi2", config=model.config, max_cache_len=128, **SMALL)
-    _generate(model, prompt, cache, max_new_tokens=4)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_reset_then_a_new_prompt_in_the_same_buffers(model, prompt, compiled):
+    kw = {"compile_config": _compile_config()} if compiled else {}
+    cache = KVKernelsStaticCache("innerq_base", config=model.config, max_cache_len=128, **SMALL)
+    _generate(model, prompt, cache, max_new_tokens=4, **kw)
+    static, ptrs = cache.layers[0].static, [t.data_ptr() for t in cache.layers[0].static._buffers()]
     cache.reset()
     assert cache.get_seq_length() == 0
-    ids, _ = _generate(model, prompt.flip(1), cache, max_new_tokens=6)
-    want, _ = _generate(model, prompt.flip(1), KVKernelsCache("kivi2", config=model.config, **SMALL), max_new_tokens=6)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the same buffers: no new guards either
+        ids, logits = _generate(model, prompt.flip(1), cache, max_new_tokens=6, **kw)
+    assert cache.layers[0].static is static and [t.data_ptr() for t in static._buffers()] == ptrs
+    d = KVKernelsCache("innerq_base", config=model.config, **SMALL)
+    want, want_logits = _generate(model, prompt.flip(1), d, max_new_tokens=6)
     assert torch.equal(ids, want)
+    torch.testing.assert_close(logits, want_logits, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_refusals(model, prompt):

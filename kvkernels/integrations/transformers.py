@@ -582,6 +582,7 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         self.layer_idx, self.model_cache = layer_idx, model_cache
         self.cache = None  # the layer cache the prompt is quantized into (taken over by `static`)
         self.static = None
+        self._spare = None  # the StaticLayerCache of before a reset(): its buffers take the next prompt
         self._prompt_tokens = 0
         self._module = None  # the attention module that runs this layer (bound by the attention function)
         self._self_ref = _LayerRef(self)  # what the module holds: a dropped cache is not kept alive by the model
@@ -638,7 +639,18 @@ class KVKernelsStaticLayer(CacheLayerMixin):
             )
         self.lazy_initialization(key_states, value_states)
         self.cache.prefill(key_states, value_states)
-        self.static = StaticLayerCache(self.cache, self.max_cache_len)
+        spare, self._spare = self._spare, None
+        if spare is not None and (spare.batch, spare.num_kv_heads, spare.head_dim, spare.dtype, spare.device) == (
+            self.cache.batch,
+            self.cache.num_kv_heads,
+            self.cache.head_dim,
+            self.cache.dtype,
+            self.cache.device,
+        ):
+            spare.load(self.cache)  # the same buffers: a compiled step's CUDA graph replays without re-recording
+            self.static, self.cache = spare, spare.cache
+        else:
+            self.static = StaticLayerCache(self.cache, self.max_cache_len)
         self._prompt_tokens = n
         setattr(key_states, _STATIC_ATTR, self)
         return key_states, value_states
@@ -679,8 +691,10 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         return self.static.batch
 
     def reset(self) -> None:
-        """Forget every token: the next update is a new prompt, into new buffers (under mode="reduce-overhead" the
-        step's CUDA graph is then recorded again; dynamo does not recompile)."""
+        """Forget every token: the next update is a new prompt, loaded into the same buffers when its batch, heads,
+        dtype and device are unchanged (so a compiled step's CUDA graph replays as it is), else into new ones."""
+        if self.static is not None:
+            self._spare = self.static
         self.cache = self.static = None
         self._module = None
 
@@ -727,9 +741,10 @@ class KVKernelsStaticCache(Cache):
     indexes out of its buffers: an IndexError on CPU, a device-side assert on CUDA, as with transformers' StaticCache.
     The decode steps append one token each: beam search, assisted and prompt-lookup decoding, crop and batch edits
     raise (use KVKernelsCache). A later generate() call continues the cache's conversation (its input_ids the whole
-    sequence so far); a new prompt needs cache.reset() first, else the update raises. Every prefill allocates new
-    buffers: dynamo does not recompile the step, but under mode="reduce-overhead" its CUDA graph is recorded again
-    (once per cache or reset; not measured on a GPU yet).
+    sequence so far); a new prompt needs cache.reset() first, else the update raises. After reset() the new prompt
+    is loaded into the same buffers (StaticLayerCache.load) when batch, heads, dtype and device are unchanged, so
+    the compiled step and its CUDA graph replay as they are; a new cache allocates new buffers, which dynamo does not
+    recompile for but mode="reduce-overhead" records its graph again for: reuse one cache with reset().
     The cache's layers hold the attention modules that serve them, and a module holds only a weak reference back:
     several caches can share one model, and a dropped cache is freed.
     Other arguments as KVKernelsCache (capacity: the prefill's initial store capacity).
