@@ -172,14 +172,21 @@ class StaticLayerCache:
         for t in self._buffers():
             torch._dynamo.mark_static_address(t)
 
+    def takes(self, cache: QuantizedLayerCache) -> bool:
+        """Whether load() can take `cache`: the same layer-cache type, format config, batch, heads, head_dim, dtype and
+        device (its buffers then have this cache's shapes)."""
+        c = self.cache
+        mine = (type(c), c.config, c.batch, c.num_kv_heads, c.head_dim, c.dtype, c.device)
+        return mine == (type(cache), cache.config, cache.batch, cache.num_kv_heads, cache.head_dim, cache.dtype,
+                        cache.device)  # fmt: skip
+
     def load(self, cache: QuantizedLayerCache) -> None:
         """Replace every token with those of `cache`, a freshly prefilled layer cache of the same format, shape, dtype
         and device: its sink, stores, tails, key norm and counts are copied into this cache's buffers, whose
         addresses stay, so a compiled step (or a captured CUDA graph) replays over the new prompt without being
         recorded again. `cache` itself is left as it was (a temporary)."""
         c = self.cache
-        same = (type(cache), cache.config, cache.batch, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
-        if same != (type(c), c.config, c.batch, c.num_kv_heads, c.head_dim, c.dtype, c.device):
+        if not self.takes(cache):
             raise ValueError(
                 "load() takes a layer cache of the same format config, batch, heads, head_dim, dtype and device"
             )

@@ -74,12 +74,6 @@ struct Side {
   const float* xs;  // key_x_scale row of the head (its shared-memory copy), or nullptr
 };
 
-// Group of 32-value block n when a group is bpg = G / 32 blocks: n itself (magic 0: bpg = 1), else
-// umulhi(n, ceil(2^32 / bpg)), exact for n < 2^32 / bpg (the launcher checks the stores' lengths). No division.
-__device__ __forceinline__ uint32_t group_of(uint32_t n, uint32_t bpg_magic) {
-  return bpg_magic == 0 ? n : umulhi(n, bpg_magic);
-}
-
 // base + off, or nullptr for an absent (empty) tensor: no arithmetic on a null pointer
 template <typename T>
 __device__ __forceinline__ const T* at_offset(const T* base, int64_t off) {
@@ -167,7 +161,7 @@ __device__ __forceinline__ void stage_token_unit(const Side& sd, const DecodeCon
     for (int i = 0; i < 32; ++i) v[i] = load_x(base, dt, off + i);
   } else {  // "rows" store token: one packed block, one group
     const int64_t r = j - S;
-    const GroupAffine a = affine_of(sd, r * sd.s_sr, r * sd.z_sr, group_of(cb, bpg_magic));
+    const GroupAffine a = affine_of(sd, r * sd.s_sr, r * sd.z_sr, block_group(cb, bpg_magic));
     dequant_block_rt(sd.bits, sd.codes + r * sd.c_sr + static_cast<int64_t>(cb) * sd.bits, a, kc, v);
     if (sd.xs != nullptr) {
 #pragma unroll
@@ -188,7 +182,7 @@ __device__ __forceinline__ void stage_channel_unit(const Side& sd, const DecodeC
                                                    int n, int c,
                                                    float* __restrict__ tile) {
   float v[32];
-  const GroupAffine a = affine_of(sd, c * sd.s_sr, c * sd.z_sr, group_of(static_cast<uint32_t>(col0 / 32), bpg_magic));
+  const GroupAffine a = affine_of(sd, c * sd.s_sr, c * sd.z_sr, block_group(static_cast<uint32_t>(col0 / 32), bpg_magic));
   dequant_block_rt(sd.bits, sd.codes + c * sd.c_sr + (col0 / 32) * sd.bits, a, kc, v);
   const float xs = sd.xs != nullptr ? sd.xs[c] : 1.f;
 #pragma unroll
@@ -249,7 +243,7 @@ struct AttnLaunch {
   int num_splits;
   int row_blocks;    // CTAs per (b, h_kv) along the R = gq * T query rows
   int gq;            // query heads per KV head
-  uint32_t bpg_magic;              // group_of's magic for G / 32 blocks per group (0: G = 32)
+  uint32_t bpg_magic;              // block_group's magic for G / 32 blocks per group (gemv.cuh)
   DecodeConsts dec_k, dec_v;       // the code decoders' constants for the key and the value bits (constant bank)
 };
 
@@ -530,8 +524,8 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   }
   pl.launch.gq = static_cast<int>(gq);
   const int64_t bpg = G / 32;
-  pl.launch.bpg_magic = bpg == 1 ? 0u : static_cast<uint32_t>(((uint64_t{1} << 32) + bpg - 1) / bpg);
-  for (const AttnStore* st : {&p.keys, &p.values}) {  // group_of is exact for block indices < 2^32 / bpg
+  pl.launch.bpg_magic = block_group_magic(bpg);
+  for (const AttnStore* st : {&p.keys, &p.values}) {  // block_group is exact for block indices < 2^32 / bpg
     if (st->layout == StoreLayout::kCols && (st->m / 32 + 1) * bpg > (int64_t{1} << 32)) {
       pl.error = "store too long for its group_size (block index past the exact range of the group lookup)";
       return pl;

@@ -78,6 +78,14 @@ void clear_launch_error();
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+// ---- groups of 32-value blocks without a division -------------------------------------------------------------
+// A group of G values is bpg = G / 32 blocks. block_group_magic(bpg) = ceil(2^32 / bpg) (0 for bpg = 1), and the group
+// of block n is umulhi(n, magic), exact for n < 2^32 / bpg (the launchers keep block indices below that).
+inline uint32_t block_group_magic(int64_t bpg) {
+  return bpg > 1 ? static_cast<uint32_t>(((uint64_t{1} << 32) + bpg - 1) / bpg) : 0u;
+}
+__device__ __forceinline__ uint32_t block_group(uint32_t n, uint32_t magic) { return magic == 0 ? n : umulhi(n, magic); }
+
 // ---- activations --------------------------------------------------------------------------------------------
 template <typename T>
 __device__ __forceinline__ float to_float(T v);

@@ -336,12 +336,7 @@ class KVKernelsLayer(CacheLayerMixin):
         if cfg is None:
             self.cache = _FullPrecisionLayerCache(B, H, D, self.device, self.dtype)
         else:
-            options = {"key_norm_factors": self.key_norm_factors, "rope_paired": self.rope_paired}
-            options = {k: v for k, v in options.items() if k in self._format.layer_options and v is not None}
-            idx = 0 if self.layer_idx is None else self.layer_idx
-            self.cache = self.model_cache.create_layer(
-                idx, B, H, D, self.device, self.dtype, capacity=self.capacity, **options
-            )
+            self.cache = _quantized_layer_cache(self, key_states)
         self.is_initialized = True
 
     def _matches(self, k: torch.Tensor) -> bool:
@@ -591,13 +586,8 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         return f"{type(self).__name__}({type(self.config).__name__}, max_cache_len={self.max_cache_len})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        B, H, _, D = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        options = {"key_norm_factors": self.key_norm_factors, "rope_paired": self.rope_paired}
-        options = {k: v for k, v in options.items() if k in self._format.layer_options and v is not None}
-        self.cache = self.model_cache.create_layer(
-            self.layer_idx, B, H, D, self.device, self.dtype, capacity=self.capacity, **options
-        )
+        self.cache = _quantized_layer_cache(self, key_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -640,13 +630,7 @@ class KVKernelsStaticLayer(CacheLayerMixin):
         self.lazy_initialization(key_states, value_states)
         self.cache.prefill(key_states, value_states)
         spare, self._spare = self._spare, None
-        if spare is not None and (spare.batch, spare.num_kv_heads, spare.head_dim, spare.dtype, spare.device) == (
-            self.cache.batch,
-            self.cache.num_kv_heads,
-            self.cache.head_dim,
-            self.cache.dtype,
-            self.cache.device,
-        ):
+        if spare is not None and spare.takes(self.cache):
             spare.load(self.cache)  # the same buffers: a compiled step's CUDA graph replays without re-recording
             self.static, self.cache = spare, spare.cache
         else:
@@ -815,6 +799,16 @@ class KVKernelsStaticCache(Cache):
     def paths(self) -> dict[str, int]:
         """How many layer updates took each path (prefill, static), summed over layers (reads the device)."""
         return _summed(layer.paths for layer in self.layers)
+
+
+def _quantized_layer_cache(layer, like: torch.Tensor):
+    """The format's layer cache for `layer` (KVKernelsLayer or KVKernelsStaticLayer) shaped like `like` [B, H_kv,
+    n, D]: layer layer_idx of its ModelKVCache, with the layer options its format takes."""
+    B, H, _, D = like.shape
+    options = {"key_norm_factors": layer.key_norm_factors, "rope_paired": layer.rope_paired}
+    options = {k: v for k, v in options.items() if k in layer._format.layer_options and v is not None}
+    idx = 0 if layer.layer_idx is None else layer.layer_idx
+    return layer.model_cache.create_layer(idx, B, H, D, like.device, like.dtype, capacity=layer.capacity, **options)
 
 
 def _model_shape(config, num_layers, format_config) -> tuple:
