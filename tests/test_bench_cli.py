@@ -141,3 +141,10 @@ def test_generate_step_bench_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["row"] for r in rows] == ["fp16 dynamic", "fp16 static +compile", "kivi2 dynamic", "kivi2 static"]
     assert all(r["us_per_token"] > 0 for r in rows) and rows[-1]["same_tokens"] is True
+
+
+@pytest.mark.parametrize("args", [["--new", "3"], ["--reps", "0"], ["--tokens", "0"], ["--batch", "0"]])
+def test_generate_step_rejects_bad_arguments(args):
+    script = Path(__file__).resolve().parents[1] / "bench" / "generate_step.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--new must be >= 4" in proc.stderr, proc.stderr[-1000:]
