@@ -850,6 +850,47 @@ def test_decode_attention_fused_device_lengths(pair, split_tokens):
         torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
+# The InnerQ presets' (bits, mode) pairs: over >= 256 store tokens the op runs csrc/cuda/decode_attention_store.cu's
+# tensor-core kernel on [S, S + F) and the general kernel on the sink, the store edges and the tails (the emulator's
+# attn cases check the same split on the CPU).
+STORE_TILE_PAIRS = [
+    ((kb, km, "rows"), (vb, vm, "cols"))
+    for kb, km, vb, vm in [
+        (3, "sym", 3, "sym"),
+        (3, "sym", 2, "sym"),
+        (3, "sym", 2, "hybrid"),
+        (4, "asym", 4, "asym"),
+        (1, "asym", 1, "asym"),
+    ]
+]
+
+
+@pytest.mark.parametrize("key,value", STORE_TILE_PAIRS)
+@pytest.mark.parametrize("D,gq,T", [(128, 4, 1), (64, 3, 1), (128, 8, 1), (64, 6, 2), (128, 12, 1)])
+def test_decode_attention_fused_store_tiles(key, value, D, gq, T):
+    kw = _attn_operands(2, 2, D, S=3, mk=1000, mv=992, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
+                        x_scale=True, seed=D + gq + key[0])  # fmt: skip
+    x = torch.randn((2, 2 * gq, T, D), generator=_gen(10)) * D**-0.5
+    for split_tokens in (0, 128):
+        _attn_check(x, kw, split_tokens=split_tokens)
+
+
+@pytest.mark.parametrize("split_tokens", [0, 64])
+def test_decode_attention_fused_store_tiles_device_lengths(split_tokens):
+    # capacity 576 key / 544 value store tokens, 320 / 288 used: the store-tile split moves with the counts
+    from device_lengths import with_capacity
+
+    key, value = STORE_TILE_PAIRS[0]
+    kw = _attn_operands(2, 2, 128, 2, 320, 288, 40, key, value, 32, torch.float16, True, seed=23)
+    kw = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    x = torch.randn((2, 8, 1, 128), generator=_gen(11)) * 128**-0.5
+    ref = reference.decode_attention_fused(x, **kw, split_tokens=split_tokens)
+    padded, lengths = with_capacity(kw, extra=(3, 256, 100, 256, 80))
+    dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in padded.items()}
+    y = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, split_tokens=split_tokens, lengths=lengths.to(DEV))
+    torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_attention_fused_deterministic_and_errors():
     kw = _attn_operands(1, 1, 64, 0, 2048, 2048, 3, (2, "sym", "rows"), (2, "sym", "cols"), 64, torch.float16, True, 11)
     dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}

@@ -3,6 +3,12 @@
 // Keys and values are each sink | quantized store | tail in token order; the key store (mk tokens) and the value
 // store (mv tokens) cover different token ranges, so a token tile may mix quantized keys with window values.
 //
+// Two kernels share the work when the store-tile kernel applies (decode_attention_store.cu: InnerQ layouts, the
+// presets' bits and modes, at least kMinStoreTileTokens store tokens): it runs the tokens [S, S + F) where both stores
+// hold the token on tensor cores and writes workspace slots [0, its splits); this file's general kernel then walks the
+// rest ([0, S) and [S + F, N): sink, the stores' edges, tails) as one more split, and merge_splits_kernel combines all
+// of them. Otherwise the general kernel does everything, as described next.
+//
 // Split-KV, FlashDecoding style. Grid (B * H_kv * row blocks, splits). A CTA serves up to ROWS = 4, 8 or 16 query
 // rows of one KV head (the R = (H_q / H_kv) * T rows of the head, query head major; ROWS is the smallest that holds
 // R, more rows tile over row blocks of 16), so every key and value it dequantizes serves all of them, and GQA 4 at
@@ -38,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/decode_attention.h"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/mma.cuh"
 
@@ -209,38 +216,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The token counts a CTA attends over: the params' own, or (kDevLengths) the counts read from device memory, each
-// clamped into its buffer (the params' counts are then capacities), a "cols" store's rounded down to whole groups,
-// N = S + min(mk + lk, mv + lv): the reference's rule, so lengths that break the contract never read outside a
-// buffer. A template flag rather than a runtime branch: the exact-size kernel keeps its counts in the constant bank
-// (the code make sass-budget reads and gates is the same as without the lengths form).
-struct TokenCounts {
-  int64_t S, mk, mv, N;
-};
-
-__device__ __forceinline__ int64_t clamp_count(const int64_t* len, int i, int64_t cap) {
-  return min(max(__ldg(len + i), int64_t{0}), cap);
-}
-
-template <bool kDevLengths>
-__device__ __forceinline__ TokenCounts token_counts(const DecodeAttentionParams& p) {
-  if constexpr (!kDevLengths) return {p.sink_k.n, p.keys.m, p.values.m, p.N};
-  const int64_t G = p.group_size;
-  TokenCounts c;
-  c.S = clamp_count(p.lengths, 0, p.sink_k.n);
-  c.mk = clamp_count(p.lengths, 1, p.keys.m);
-  const int64_t lk = clamp_count(p.lengths, 2, p.tail_k.n);
-  c.mv = clamp_count(p.lengths, 3, p.values.m);
-  const int64_t lv = clamp_count(p.lengths, 4, p.tail_v.n);
-  if (p.keys.layout == StoreLayout::kCols) c.mk -= c.mk % G;
-  if (p.values.layout == StoreLayout::kCols) c.mv -= c.mv % G;
-  c.N = c.S + min(c.mk + lk, c.mv + lv);
-  return c;
-}
-
 struct AttnLaunch {
   int64_t C;         // tokens per split past the sink
-  int num_splits;
+  int num_splits;    // grid y
+  int split_base;    // workspace slot of split 0 (the store-tile kernel's splits come first)
+  bool direct;       // one split in all: write out, no workspace
+  bool skip_store;   // the store-tile kernel covers [S, S + F): walk [0, S) and [S + F, N)
   int row_blocks;    // CTAs per (b, h_kv) along the R = gq * T query rows
   int gq;            // query heads per KV head
   uint32_t bpg_magic;              // block_group's magic for G / 32 blocks per group (gemv.cuh)
@@ -281,10 +262,13 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
                           p.key_x_scale != nullptr ? xs_s : nullptr);
   const Side sv = resolve(p.sink_v, p.tail_v, p.values, cnt.mv, p.window_dtype, b, hk, nullptr);
 
+  // tokens the store-tile kernel covers, [S, S + F): this kernel walks the others in a virtual order where token
+  // v >= S is token v + F (tiles past the sink stay aligned at S + 32i: F is a multiple of 64)
+  const int64_t F = L.skip_store ? store_tile_tokens(cnt.mk, cnt.mv) : 0;
   // token range of the split (with device lengths the grid is planned for the capacities: a split past N is empty and
   // writes the neutral partial m = -inf, l = 0, which the merge skips)
   const int64_t lo = split == 0 ? 0 : S + split * L.C;
-  const int64_t hi = min(N, S + (split + 1) * L.C);
+  const int64_t hi = min(N - F, S + (split + 1) * L.C);
 
   // queries of the CTA's rows (zeros past nr)
   for (int i = tid; i < kRows * D; i += kThreads) {
@@ -321,9 +305,10 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   for (int k = 0; k < kOut; ++k) acc[k] = 0.f;
   __syncthreads();  // xs_s is read by other threads' staging
 
-  for (int64_t j0 = lo; j0 < hi;) {
-    const int64_t j1 = j0 < S ? min(S, j0 + kTile) : min(hi, j0 + kTile);
-    const int n = static_cast<int>(j1 - j0);
+  for (int64_t v0 = lo; v0 < hi;) {
+    const int64_t v1 = v0 < S ? min(S, v0 + kTile) : min(hi, v0 + kTile);
+    const int n = static_cast<int>(v1 - v0);
+    const int64_t j0 = v0 < S ? v0 : v0 + F;  // the tile's first token
     // (1) stage keys (units 0 .. D-1) and values (units D .. 2D-1); warp-uniform side
     for (int u = tid; u < 2 * D; u += kThreads) {
       if (u < D)
@@ -395,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
       }
     }
     __syncthreads();
-    j0 = j1;
+    v0 = v1;
   }
 
   if (lane == 0) {
@@ -412,10 +397,10 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
     if (r >= nr) continue;
     const int q = r0 + r;
     const int64_t h = hk * L.gq + q / T, t = q % T;
-    if (L.num_splits == 1) {
+    if (L.direct) {
       p.out[b * p.o_sb + h * p.o_sh + t * p.o_st + c_own] = acc[k] / l_s[r];
     } else {
-      float* w = p.workspace + ((static_cast<int64_t>(split) * p.B + b) * p.H_q * T + h * T + t) * (D + 2);
+      float* w = p.workspace + ((static_cast<int64_t>(L.split_base + split) * p.B + b) * p.H_q * T + h * T + t) * (D + 2);
       w[c_own] = acc[k];
       if (c_own == 0) {
         w[D] = m_s[r];
@@ -468,9 +453,16 @@ struct AttnPlan {
   AttnKernel fn = nullptr;
   AttnLaunch launch{};
   int smem_bytes = 0;
+  bool store_tiles = false;     // the store-tile kernel runs first (decode_attention_store.cu)
+  StoreTilesLaunch store{};
+  int total_splits = 0;         // partials the merge combines (1: the general kernel writes out directly)
   int64_t workspace_floats = 0;
   const char* error = nullptr;
 };
+
+// Below this many store tokens (at capacity, with device lengths) the general kernel walks the store too: the
+// store-tile kernel's extra launch and merge would cost more than its faster tiles save (a guess, not yet measured).
+constexpr int64_t kMinStoreTileTokens = 256;
 
 // Validates the params (sets the launch error) and plans the launch; a pure function of the params and the
 // device's occupancy, shared with the binding's workspace sizing.
@@ -536,35 +528,30 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   pl.launch.row_blocks = static_cast<int>(ceil_div(R, block_rows));
   const int64_t ctas = p.B * p.H_kv * pl.launch.row_blocks;
   const int64_t tokens = p.N - S;  // past the sink (device lengths: the most there can be)
+  const int64_t F_cap = store_tile_tokens(p.keys.m, p.values.m);
   int64_t C = p.split_tokens;
-  if (C == 0) {
-    int occ = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), kThreads,
-                                                      pl.smem_bytes) != cudaSuccess ||
-        occ < 1)
-      occ = 1;
-    (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
-    const int64_t wave = static_cast<int64_t>(occ) * std::max(p.num_sms, 1);
-    C = round_up(std::max<int64_t>(tokens, 1), G);  // one split
-    if (ctas < wave && tokens >= 2 * kMinSplitTokens) {
-      const int64_t want = ceil_div(wave, ctas);
-      C = std::min(C, round_up(std::max(ceil_div(tokens, want), kMinSplitTokens), G));
-    }
+  if (F_cap >= kMinStoreTileTokens && store_tiles_supported(p) && plan_store_tiles(p, F_cap, pl.store)) {
+    // the store tiles go to the tensor-core kernel; this kernel walks the sink and the rest in one split
+    pl.store_tiles = true;
+    pl.launch.skip_store = true;
+    pl.launch.split_base = pl.store.num_splits;
+    C = round_up(std::max<int64_t>(tokens, 1), G);
+  } else if (C == 0) {
+    C = planned_split_tokens(reinterpret_cast<const void*>(pl.fn), kThreads, pl.smem_bytes, p.num_sms, ctas, tokens, G,
+                             kMinSplitTokens);
   }
-  int64_t splits = std::max<int64_t>(1, ceil_div(tokens, C));
-  while (splits > 65535) {  // a tiny explicit split_tokens on a long cache: coarser splits (rounding only)
-    C *= 2;
-    splits = std::max<int64_t>(1, ceil_div(tokens, C));
-  }
+  const int64_t splits = split_count(tokens, C);
   pl.launch.C = C;
   pl.launch.num_splits = static_cast<int>(splits);
-  if (ctas > 0x7fffffff) {
+  pl.total_splits = static_cast<int>(splits) + (pl.store_tiles ? pl.store.num_splits : 0);
+  pl.launch.direct = pl.total_splits == 1;
+  if (ctas > 0x7fffffff || (pl.store_tiles && p.B * p.H_kv * pl.store.row_blocks > 0x7fffffff)) {
     pl.error = "grid too large";
     return pl;
   }
   const int64_t rows = p.B * p.H_q * p.T;
-  pl.workspace_floats = splits > 1 ? splits * rows * (p.D + 2) : 0;
-  if (splits > 1 && rows > 0x7fffffff) pl.error = "too many output rows for the merge grid";
+  pl.workspace_floats = pl.total_splits > 1 ? pl.total_splits * rows * (p.D + 2) : 0;
+  if (pl.total_splits > 1 && rows > 0x7fffffff) pl.error = "too many output rows for the merge grid";
   return pl;
 }
 
@@ -577,7 +564,7 @@ int64_t decode_attention_workspace_floats(const DecodeAttentionParams& p) {
 
 int64_t decode_attention_num_splits(const DecodeAttentionParams& p) {
   const AttnPlan pl = plan_attention(p);
-  return pl.error != nullptr ? 0 : pl.launch.num_splits;
+  return pl.error != nullptr ? 0 : pl.total_splits;
 }
 
 cudaError_t launch_decode_attention_fused(const DecodeAttentionParams& p, cudaStream_t stream) {
@@ -595,17 +582,22 @@ cudaError_t launch_decode_attention_fused(const DecodeAttentionParams& p, cudaSt
                      (long long)p.workspace_floats, (long long)pl.workspace_floats);
     return cudaErrorInvalidValue;
   }
+  cudaError_t err = cudaSuccess;
+  if (pl.store_tiles) {
+    err = launch_store_tiles(p, pl.store, stream);
+    if (err != cudaSuccess) return err;
+  }
   const dim3 grid(static_cast<unsigned>(p.B * p.H_kv * pl.launch.row_blocks),
                   static_cast<unsigned>(pl.launch.num_splits));
   const AttnKernel fn = pl.fn;
   const AttnLaunch L = pl.launch;
   fn<<<grid, kThreads, pl.smem_bytes, stream>>>(p, L);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  if (pl.launch.num_splits > 1) {
+  if (pl.total_splits > 1) {
     const int64_t rows = p.B * p.H_q * p.T;
     merge_splits_kernel<<<static_cast<unsigned>(rows), p.D, 0, stream>>>(
-        p.workspace, pl.launch.num_splits, rows, p.D, static_cast<int>(p.H_q), static_cast<int>(p.T), p.out,
+        p.workspace, pl.total_splits, rows, p.D, static_cast<int>(p.H_q), static_cast<int>(p.T), p.out,
         p.o_sb, p.o_sh, p.o_st);
     err = cudaGetLastError();
   }

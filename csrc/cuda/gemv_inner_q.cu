@@ -126,34 +126,9 @@ __device__ __forceinline__ void gather_chunk(const ChunkWords<BITS, VEC>& c, int
   }
 }
 
-// One block of one row with 32-bit loads (the row's tail, and rows too short for a chunk).
-template <int BITS>
-__device__ __forceinline__ void load_gather_block(const uint32_t* __restrict__ blk, int t, uint32_t sel_lo,
-                                                  uint32_t sel_hi, uint32_t& X, uint32_t& Xh) {
-  Xh = 0u;
-  if constexpr (BITS == 4) {
-    X = __ldg(blk + t);
-  } else if constexpr (BITS == 3) {
-    X = prmt(__ldg(blk), __ldg(blk + 1), sel_lo);
-    const uint32_t h = __ldg(blk + 2);
-    Xh = prmt(h, h, sel_hi);
-  } else if constexpr (BITS == 2) {
-    const uint32_t w = __ldg(blk + (t >> 1));
-    X = prmt(w, w, sel_lo);
-  } else {
-    const uint32_t w = __ldg(blk);
-    X = prmt(w, w, sel_hi);
-  }
-}
-
 // ---- one block of the two rows: decode, 2 MMAs per n-tile, fold ------------------------------------------------------
-// sym decodes to the signed levels u - 2^(b-1) (no zero term); asym and hybrid decode u and add zeff * sum(x): in the
-// main loop as one "zero MMA" per chunk (zero_mma below), in the tail per block in fp32 (ZFOLD).
-template <int BITS, QuantMode MODE>
-__host__ __device__ constexpr int decode_offset() {
-  return MODE == QuantMode::kSym ? (1 << (BITS - 1)) : 0;
-}
-
+// sym decodes to the signed levels u - 2^(b-1) (decode_offset, no zero term); asym and hybrid decode u and add
+// zeff * sum(x): in the main loop as one "zero MMA" per chunk (zero_mma below), in the tail per block in fp32 (ZFOLD).
 template <int BITS, QuantMode MODE, int NT, bool ZFOLD>
 __device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb, uint32_t Xhb, uint16_t sa,
                                           uint16_t za, uint16_t sb, uint16_t zb, const uint4* __restrict__ frag,

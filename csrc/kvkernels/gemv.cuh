@@ -165,6 +165,42 @@ __device__ __forceinline__ void stage_fragments_k16(const XOffOf& xoff_of, const
   }
 }
 
+// ---- InnerQ-packed blocks (mma.cuh's decoders) -------------------------------------------------------------------
+// The decoder offset: sym decodes to the signed levels u - 2^(b-1) (no zero term), asym and hybrid to u (their
+// zero term zeff * sum(x) is added separately).
+template <int BITS, QuantMode MODE>
+__host__ __device__ constexpr int decode_offset() {
+  return MODE == QuantMode::kSym ? (1 << (BITS - 1)) : 0;
+}
+
+// Canonical words (mma.cuh) of thread t from one 32-value block of BITS words, with 32-bit loads. Bits 2: the
+// thread's half-word of the low planes is in word t / 2, so prmt(w, w, sel_lo) reads it from {w:w}; bits 3 read both
+// low-plane words (prmt picks the half-word), or with OWN_WORD only word t / 2 (one load fewer; the GEMVs' tails
+// keep the two loads: the other form cost them registers); bits 1 and 3: byte t of the (high) plane.
+// sel_lo = sel_bytes(2t, 2t + 1), sel_hi = sel_bytes(t, t).
+template <int BITS, bool OWN_WORD = false>
+__device__ __forceinline__ void load_gather_block(const uint32_t* __restrict__ blk, int t, uint32_t sel_lo,
+                                                  uint32_t sel_hi, uint32_t& X, uint32_t& Xh) {
+  Xh = 0u;
+  if constexpr (BITS == 4) {
+    X = __ldg(blk + t);
+  } else if constexpr (BITS == 1) {
+    const uint32_t w = __ldg(blk);
+    X = prmt(w, w, sel_hi);
+  } else if constexpr (BITS == 3 && !OWN_WORD) {
+    X = prmt(__ldg(blk), __ldg(blk + 1), sel_lo);
+    const uint32_t h = __ldg(blk + 2);
+    Xh = prmt(h, h, sel_hi);
+  } else {
+    const uint32_t w = __ldg(blk + (t >> 1));
+    X = prmt(w, w, sel_lo);
+    if constexpr (BITS == 3) {
+      const uint32_t h = __ldg(blk + 2);
+      Xh = prmt(h, h, sel_hi);
+    }
+  }
+}
+
 // ---- rows with arbitrary leading strides ------------------------------------------------------------------------
 __host__ __device__ __forceinline__ int64_t row_offset(const RowLayout& rl, int64_t r) {
   int64_t off = 0;

@@ -105,8 +105,25 @@ KVK_HD float clamp_code(float v, float qmax) { return v >= 0.f ? (v <= qmax ? v 
 
 // min/max that propagate NaN (fminf/fmaxf drop it), so a NaN input poisons its own group's scale, visibly,
 // instead of being silently coded as some level. Matches torch.amin/amax in the reference.
-KVK_HD float nan_max(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
-KVK_HD float nan_min(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+// On sm_80+ one instruction each (max.NaN / min.NaN: a NaN operand gives the canonical NaN).
+KVK_HD float nan_max(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+KVK_HD float nan_min(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+#else
+  return (a != a || b != b) ? a + b : fminf(a, b);
+#endif
+}
 
 // IEEE round-to-nearest fp32 arithmetic for the quantizers. setup.py builds the kernels with --use_fast_math
 // (approximate division) and nvcc fuses a*b+c into FMA by default; either would make CUDA codes differ from the

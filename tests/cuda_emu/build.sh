@@ -10,7 +10,7 @@ mkdir -p "$out"
 cxx=(g++ -std=c++20 -O1 -g "-fsanitize=$san" -fno-sanitize-recover=undefined -include "$here/emu.h"
      -I"$root/csrc" -I"$cuda_inc" -w)
 pids=()
-kernels=(gemv_inner_q gemv_kivi gemv_lattice quantize aqua_reconstruct decode_attention)
+kernels=(gemv_inner_q gemv_kivi gemv_lattice quantize aqua_reconstruct decode_attention decode_attention_store)
 objs=()
 for f in "${kernels[@]}"; do
   bash "$here/prep.sh" "$root/csrc/cuda/$f.cu" > "$out/$f.emu.cpp"

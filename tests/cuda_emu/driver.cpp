@@ -586,6 +586,7 @@ struct AttnCase {
   int64_t split_tokens = 0;
   int num_sms = 4;
   int64_t expect_splits = -1;  // >= 0: the plan must make this many splits
+  bool aligned = false;        // stores without row padding, 16-byte aligned (3-bit keys need it for the store tiles)
   cudaError_t expect = cudaSuccess;
   // device lengths: every part becomes a capacity buffer with extra[i] junk tokens (sink, key store, key tail, value
   // store, value tail; a "cols" store's a multiple of G, a store's <= 64): NaN windows, mask columns and scales /
@@ -601,14 +602,17 @@ struct AttnStoreBuf {
 };
 
 // A store of m tokens: a view of a buffer with capacity m + 64 tokens (cols: row stride = the buffer's width).
-static AttnStoreBuf make_store(int64_t B, int64_t H, int D, int G, int64_t m, int bits, QuantMode mode, StoreLayout lay) {
+// aligned: no padding, every row 16-byte aligned (the caches' own layout).
+static AttnStoreBuf make_store(int64_t B, int64_t H, int D, int G, int64_t m, int bits, QuantMode mode, StoreLayout lay,
+                               bool aligned = false) {
   AttnStoreBuf sb;
   const int64_t cap = m + 64;
+  const int pad = aligned ? 0 : 1;
   int64_t rows, c_sr, s_sr;
-  if (lay == StoreLayout::kRows) rows = cap, c_sr = D * bits / 32 + 3, s_sr = D / G + 1;
-  else rows = D, c_sr = cap * bits / 32 + 1, s_sr = cap / G + 2;
-  const int64_t c_sh = rows * c_sr + 1, s_sh = rows * s_sr + 2;
-  sb.codes = std::make_unique<Buf<uint32_t>>(B * H * c_sh + 1);
+  if (lay == StoreLayout::kRows) rows = cap, c_sr = D * bits / 32 + 3 * pad, s_sr = D / G + pad;
+  else rows = D, c_sr = cap * bits / 32 + pad, s_sr = cap / G + 2 * pad;
+  const int64_t c_sh = rows * c_sr + pad, s_sh = rows * s_sr + 2 * pad;
+  sb.codes = std::make_unique<Buf<uint32_t>>(B * H * c_sh + 4);
   for (size_t i = 0; i < sb.codes->n; ++i) sb.codes->p[i] = static_cast<uint32_t>(rng());
   sb.sc = std::make_unique<Buf<uint16_t>>(B * H * s_sh + 1);
   sb.ze = std::make_unique<Buf<uint16_t>>(B * H * s_sh + 1);
@@ -620,7 +624,8 @@ static AttnStoreBuf make_store(int64_t B, int64_t H, int D, int G, int64_t m, in
   }
   for (size_t i = 0; i < sb.ze->n; ++i) sb.ze->p[i] = hbits(frand());
   AttnStore& st = sb.st;
-  st.codes = sb.codes->p + 1; st.scales = sb.sc->p + 1; st.zeros = mode == QuantMode::kSym ? nullptr : sb.ze->p + 1;
+  st.codes = sb.codes->p + 1 + 3 * (1 - pad);  // word 4 (16 bytes) when aligned: Buf's allocation is 16-byte aligned
+  st.scales = sb.sc->p + 1; st.zeros = mode == QuantMode::kSym ? nullptr : sb.ze->p + 1;
   st.m = m; st.bits = bits; st.mode = mode; st.layout = lay;
   st.c_sb = H * c_sh; st.c_sh = c_sh; st.c_sr = c_sr;
   st.s_sb = H * s_sh; st.s_sh = s_sh; st.s_sr = s_sr;
@@ -695,8 +700,8 @@ void attn_case(const AttnCase& a) {
                          dev ? a.extra[4] : 0};
   AttnWindowBuf sk = make_window(B, H_kv, S + ex[0], D, a.dt), sv = make_window(B, H_kv, S + ex[0], D, a.dt);
   AttnWindowBuf tk = make_window(B, H_kv, a.ntk + ex[2], D, a.dt), tv = make_window(B, H_kv, ntv + ex[4], D, a.dt);
-  AttnStoreBuf ks = make_store(B, H_kv, D, G, a.mk, a.kbits, a.kmode, a.klay);
-  AttnStoreBuf vs = make_store(B, H_kv, D, G, a.mv, a.vbits, a.vmode, a.vlay);
+  AttnStoreBuf ks = make_store(B, H_kv, D, G, a.mk, a.kbits, a.kmode, a.klay, a.aligned);
+  AttnStoreBuf vs = make_store(B, H_kv, D, G, a.mv, a.vbits, a.vmode, a.vlay, a.aligned);
   const AttnStore ks_used = ks.st, vs_used = vs.st;  // the reference reads the used tokens through these
   // the most tokens the buffers hold (the launch's N with device lengths) and the mask's width
   const int64_t n_cap = S + ex[0] + std::min(a.mk + ex[1] + a.ntk + ex[2], a.mv + ex[3] + ntv + ex[4]);
@@ -903,6 +908,37 @@ void attn_cases() {
     a.split_tokens = 64; a.vbits = 4; a.xscale = true; a.dt = XDtype::kBF16; attn_case(a); }
   { AttnCase a; a.H_q = 3; a.H_kv = 1; a.B = 2; a.T = 1; a.D = 64; a.mk = 64; a.mv = 64; a.ntk = 30;
     a.mask_kind = 1; a.num_sms = 16; attn_case(a); }
+  // store tiles (decode_attention_store.cu: tensor-core kernel for [S, S + F), F = min(mk, mv) rounded down to 64, from
+  // 256 store tokens, for the InnerQ presets' bits and modes) next to the general kernel's sink / edge / tail split:
+  // every preset, head_dim 64 / 128, 4 and 8 rows per CTA (and two row blocks of 8), key groups of 32 / 64 / 128
+  // channels, masks, causal T = 3, key_x_scale, device lengths with splits past the used F. The expected split counts
+  // are the store tiles' (split_tokens rounded up to 64) plus one; the general kernel alone would plan another number.
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 5; a.mk = 300; a.mv = 288; a.ntk = 20;
+    a.H_q = 8; a.H_kv = 2; a.xscale = true; a.split_tokens = 96; a.expect_splits = 3; attn_case(a); }   // innerq_base
+  { AttnCase a; a.aligned = true; a.D = 64; a.G = 64; a.kbits = 3; a.vbits = 2; a.S = 3; a.mk = 320; a.mv = 320;
+    a.ntk = 7; a.H_q = 6; a.H_kv = 1; a.mask_kind = 1; a.split_tokens = 128; a.expect_splits = 4; attn_case(a); }  // small
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.T = 3; a.H_q = 2;
+    a.H_kv = 1; a.S = 0; a.mk = 288; a.mv = 256; a.ntk = 40; a.dev_lengths = true; a.extra[1] = 32; a.extra[2] = 10;
+    a.extra[3] = 64; a.extra[4] = 20; a.xscale = true; attn_case(a); }                                   // hybrid
+  { AttnCase a; a.D = 128; a.G = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym; a.mk = 400; a.mv = 384;
+    a.ntk = 10; a.H_q = 12; a.H_kv = 1; a.B = 1; a.mask_kind = 2; a.split_tokens = 256; a.expect_splits = 3;
+    a.dt = XDtype::kF32; attn_case(a); }                                                                  // asym4
+  { AttnCase a; a.D = 64; a.kbits = a.vbits = 1; a.kmode = a.vmode = QM::kAsym; a.H_q = 4; a.H_kv = 1; a.mk = 512;
+    a.mv = 512; a.ntk = 96; a.S = 32; a.dt = XDtype::kBF16; a.xscale = true; attn_case(a); }            // asym1
+  { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.S = 2; a.mk = 200; a.mv = 192; a.ntk = 9; a.H_q = 8;
+    a.H_kv = 2; a.dev_lengths = true; a.extra[0] = 3; a.extra[1] = 64; a.extra[2] = 5; a.extra[3] = 64; a.extra[4] = 7;
+    a.split_tokens = 32; a.expect_splits = 5; a.mask_kind = 1; attn_case(a); }  // 4 store-tile splits, 1 past F = 192
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.H_q = 8; a.H_kv = 1; a.B = 1; a.S = 0; a.mk = 256;
+    a.mv = 256; a.ntk = 0; a.xscale = true; a.mask_kind = 1; a.num_sms = 2; attn_case(a); }  // 8 rows, empty remainder
+  // 64-token steps at head_dim 128 (4 rows): asym and hybrid values (a zero term per 32-token block), G 32 and 64
+  { AttnCase a; a.D = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym; a.H_q = 4; a.H_kv = 1; a.S = 1;
+    a.mk = 392; a.mv = 384; a.ntk = 5; a.split_tokens = 128; a.expect_splits = 4; a.mask_kind = 1; attn_case(a); }
+  { AttnCase a; a.aligned = true; a.D = 128; a.G = 64; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.S = 4;
+    a.mk = 320; a.mv = 320; a.ntk = 3; a.T = 2; a.H_q = 2; a.H_kv = 1; a.xscale = true; a.dt = XDtype::kBF16;
+    attn_case(a); }
+  // 3-bit keys in padded (8-byte misaligned) rows: the general kernel alone (its plan: ceil(320 / 64) splits)
+  { AttnCase a; a.D = 128; a.kbits = a.vbits = 3; a.mk = 300; a.mv = 288; a.ntk = 20; a.H_q = 4; a.H_kv = 1;
+    a.split_tokens = 64; a.expect_splits = 5; attn_case(a); }
   // refused: head_dim 96 and 256, split_tokens not a multiple of G
   { AttnCase a; a.D = 96; a.expect = cudaErrorInvalidValue; attn_case(a); }
   { AttnCase a; a.D = 256; a.expect = cudaErrorInvalidValue; attn_case(a); }

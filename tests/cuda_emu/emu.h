@@ -83,6 +83,11 @@ inline void launch(dim3 grid, dim3 block, size_t smem, cudaStream_t, std::functi
 template <class T>
 T* dyn_smem() { return reinterpret_cast<T*>(t_blk->smem); }
 inline void syncthreads() { t_blk->bar->arrive_and_wait(); }
+inline void syncwarp() {  // __syncwarp(): the warp's lanes meet (memory ordering: every lane is a host thread)
+  Warp& w = *t_blk->warps[t_thread.x / 32];
+  if (w.exited.load()) shuffles_after_exit++;
+  w.bar->arrive_and_wait();
+}
 inline float shfl_xor(unsigned mask, float v, int off) {
   if (mask != 0xffffffffu) bad_mask++;
   const int tid = t_thread.x;
@@ -169,6 +174,7 @@ inline unsigned atomic_max_u32(unsigned* p, unsigned v) {
 #define gridDim kvk_emu::t_gdim
 #define __syncthreads() kvk_emu::syncthreads()
 #define __shfl_xor_sync(m, v, o) kvk_emu::shfl_xor(m, v, o)
+#define __syncwarp(...) kvk_emu::syncwarp()
 #define atomicMax(p, v) kvk_emu::atomic_max_u32(p, v)
 #undef __launch_bounds__
 #define __launch_bounds__(...)

@@ -1,0 +1,98 @@
+// Internal interface between decode_attention.cu (the general split-KV kernel, planning, the merge) and
+// decode_attention_store.cu (the tensor-core kernel for the token range where both stores hold their tokens).
+// Torch-free; only nvcc includes this header.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernels.h"
+#include "kvkernels/mma.cuh"
+
+namespace kvk {
+
+// The token counts a CTA attends over: the params' own, or (kDevLengths) the counts read from device memory, each
+// clamped into its buffer (the params' counts are then capacities), a "cols" store's rounded down to whole groups,
+// N = S + min(mk + lk, mv + lv): the reference's rule, so lengths that break the contract never read outside a
+// buffer.
+struct TokenCounts {
+  int64_t S, mk, mv, N;
+};
+
+__device__ __forceinline__ int64_t clamp_count(const int64_t* len, int i, int64_t cap) {
+  return min(max(__ldg(len + i), int64_t{0}), cap);
+}
+
+template <bool kDevLengths>
+__device__ __forceinline__ TokenCounts token_counts(const DecodeAttentionParams& p) {
+  if constexpr (!kDevLengths) {
+    return {p.sink_k.n, p.keys.m, p.values.m, p.N};
+  } else {
+    const int64_t G = p.group_size;
+    TokenCounts c;
+    c.S = clamp_count(p.lengths, 0, p.sink_k.n);
+    c.mk = clamp_count(p.lengths, 1, p.keys.m);
+    const int64_t lk = clamp_count(p.lengths, 2, p.tail_k.n);
+    c.mv = clamp_count(p.lengths, 3, p.values.m);
+    const int64_t lv = clamp_count(p.lengths, 4, p.tail_v.n);
+    if (p.keys.layout == StoreLayout::kCols) c.mk -= c.mk % G;
+    if (p.values.layout == StoreLayout::kCols) c.mv -= c.mv % G;
+    c.N = c.S + min(c.mk + lk, c.mv + lv);
+    return c;
+  }
+}
+
+// Store tiles: tokens [S, S + F) with F = min(mk, mv) rounded down to kStoreStep, where every token's key and value
+// come from the quantized stores (InnerQ layouts: keys "rows", values "cols"). Both kernels compute F from the counts
+// they read, so with device lengths the split between them moves with the cache and the launch stays fixed.
+constexpr int64_t kStoreStep = 64;  // the store-tile kernel's largest step of tokens per warp
+__host__ __device__ constexpr int64_t store_tile_tokens(int64_t mk, int64_t mv) {
+  return (mk < mv ? mk : mv) / kStoreStep * kStoreStep;
+}
+
+struct StoreTilesLaunch {
+  int64_t C;          // tokens per split (a multiple of kStoreStep); split s covers store tokens [s C, (s + 1) C) of [0, F)
+  int num_splits;     // grid y; split s writes workspace slot s
+  int row_blocks;     // CTAs per (b, h_kv) along the R = gq * T query rows, 4 * NT rows each
+  int nt;             // n-tiles of 4 query rows: 1 or 2
+  int gq;             // query heads per KV head
+  int k_group_shift;  // log2(G / 32): key group of channel block cb = cb >> shift (G divides D)
+  uint32_t v_bpg_magic;       // block_group's magic: value group of a 32-token block (gemv.cuh)
+  DecodeConsts dec_k, dec_v;  // decoders' constants with the sym offset (decode_offset) folded in
+};
+
+// Split planning shared by both kernels: tokens per split for `tokens` tokens over `ctas` CTAs, one split unless the
+// CTAs fill less than a wave (resident CTAs of `fn` x SMs); then splits of at least min_split tokens, multiples of
+// unit, enough for a wave.
+inline int64_t planned_split_tokens(const void* fn, int threads, int smem_bytes, int num_sms, int64_t ctas,
+                                    int64_t tokens, int64_t unit, int64_t min_split) {
+  int occ = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, threads, smem_bytes) != cudaSuccess || occ < 1) occ = 1;
+  (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
+  const int64_t wave = static_cast<int64_t>(occ) * (num_sms > 1 ? num_sms : 1);
+  const auto up = [](int64_t a, int64_t b) { return (a + b - 1) / b * b; };
+  int64_t C = up(tokens > 1 ? tokens : 1, unit);  // one split
+  if (ctas < wave && tokens >= 2 * min_split) {
+    const int64_t per = (tokens + (wave + ctas - 1) / ctas - 1) / ((wave + ctas - 1) / ctas);
+    const int64_t want = up(per > min_split ? per : min_split, unit);
+    C = want < C ? want : C;
+  }
+  return C;
+}
+
+// Splits of C tokens over `tokens` (at least one); a tiny explicit C on a long cache is doubled until the splits fit
+// the grid's y dimension (rounding only: the math never depends on C).
+inline int64_t split_count(int64_t tokens, int64_t& C) {
+  const auto count = [&] { return tokens > C ? (tokens + C - 1) / C : int64_t{1}; };
+  while (count() > 65535) C *= 2;
+  return count();
+}
+
+// Whether the store-tile kernel is built for these params (layouts, bits and modes, head_dim, alignment).
+bool store_tiles_supported(const DecodeAttentionParams& p);
+// Plans the store-tile launch (grid, split length) for F_cap store tokens; false if the kernel is missing.
+bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesLaunch& L);
+cudaError_t launch_store_tiles(const DecodeAttentionParams& p, const StoreTilesLaunch& L, cudaStream_t stream);
+
+}  // namespace kvk
