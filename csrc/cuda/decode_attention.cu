@@ -346,7 +346,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
           else if (j <= limit[k])
             sc = s[k];
         }
-        const float m_new = fmaxf(m_run[k], warp_max(sc));
+        // nan_max: a NaN score (a NaN scale or query) must reach the output, also before any finite score
+        const float m_new = nan_max(m_run[k], warp_max(sc));
         float alpha = 1.f, pj = 0.f;
         if (m_new != -INFINITY) {  // else nothing seen yet: keep m = -inf, l = 0, acc = 0
           alpha = expf(m_run[k] - m_new);
@@ -420,7 +421,7 @@ __global__ void merge_splits_kernel(const float* __restrict__ ws, int splits, in
   const int64_t stride = rows * (D + 2);
   const float* w = ws + q * (D + 2);
   float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, w[s * stride + D]);
+  for (int s = 0; s < splits; ++s) mx = nan_max(mx, w[s * stride + D]);
   float num = 0.f, den = 0.f;
   for (int s = 0; s < splits; ++s) {
     const float ms = w[s * stride + D];

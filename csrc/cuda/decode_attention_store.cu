@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     }
     __syncthreads();
   }
-  // the key MMAs' B fragments (each warp writes the ones it reads back: no barrier), the zero-term sums and 2^-e of
-  // this thread's rows (4 nt + t)
+  // the key MMAs' B fragments (warp 0 writes them all, the barrier below publishes them), the zero-term sums and 2^-e
+  // of this thread's rows (4 nt + t)
   float xsr[NT][NB], us[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -303,7 +303,8 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
       tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
       tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
-      const float m_new = fmaxf(m_run[nt], tmax);
+      // nan_max: a NaN score poisons the row (fmaxf(-inf, NaN) = -inf would drop the whole step as unseen)
+      const float m_new = nan_max(m_run[nt], tmax);
       float alpha = 1.f;
       const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
       if (seen) alpha = expf(m_run[nt] - m_new);
@@ -407,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     const int r = i / D, c = i % D;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[(w * QR + r) * 2]);
+    for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, ml[(w * QR + r) * 2]);  // a NaN warp keeps m NaN
     float num = 0.f, den = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {

@@ -587,6 +587,7 @@ struct AttnCase {
   int num_sms = 4;
   int64_t expect_splits = -1;  // >= 0: the plan must make this many splits
   bool aligned = false;        // stores without row padding, 16-byte aligned (3-bit keys need it for the store tiles)
+  int64_t nan_key_token = -1;  // >= 0: the key store's scale of this token (b 0, h_kv 0, first group) is NaN
   cudaError_t expect = cudaSuccess;
   // device lengths: every part becomes a capacity buffer with extra[i] junk tokens (sink, key store, key tail, value
   // store, value tail; a "cols" store's a multiple of G, a store's <= 64): NaN windows, mask columns and scales /
@@ -702,6 +703,11 @@ void attn_case(const AttnCase& a) {
   AttnWindowBuf tk = make_window(B, H_kv, a.ntk + ex[2], D, a.dt), tv = make_window(B, H_kv, ntv + ex[4], D, a.dt);
   AttnStoreBuf ks = make_store(B, H_kv, D, G, a.mk, a.kbits, a.kmode, a.klay, a.aligned);
   AttnStoreBuf vs = make_store(B, H_kv, D, G, a.mv, a.vbits, a.vmode, a.vlay, a.aligned);
+  if (a.nan_key_token >= 0) {  // a NaN scale (a non-finite group): the rows reading (b 0, h_kv 0) must come out NaN
+    AttnStore& st = ks.st;
+    const bool rows = st.layout == StoreLayout::kRows;
+    const_cast<uint16_t*>(st.scales)[rows ? a.nan_key_token * st.s_sr : a.nan_key_token / G] = 0x7e00;
+  }
   const AttnStore ks_used = ks.st, vs_used = vs.st;  // the reference reads the used tokens through these
   // the most tokens the buffers hold (the launch's N with device lengths) and the mask's width
   const int64_t n_cap = S + ex[0] + std::min(a.mk + ex[1] + a.ntk + ex[2], a.mv + ex[3] + ntv + ex[4]);
@@ -815,7 +821,7 @@ void attn_case(const AttnCase& a) {
             const double got = out.p[b * p.o_sb + h * p.o_sh + t * p.o_st + c];
             const double bound = (4e-6 + 1e-6 * smag) * mag + 1e-7;
             worst = std::max(worst, std::fabs(got - want) / bound);
-            if (!(std::fabs(got - want) <= bound)) {
+            if (!(std::fabs(got - want) <= bound) && !(std::isnan(want) && std::isnan(got))) {  // NaN must stay NaN
               if (bad < 3) printf("  mismatch b%ld h%ld t%ld c%d got %.9g want %.9g bound %.3g\n", b, h, t, c, got, want, bound);
               bad++;
             }
@@ -936,6 +942,13 @@ void attn_cases() {
   { AttnCase a; a.aligned = true; a.D = 128; a.G = 64; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.S = 4;
     a.mk = 320; a.mv = 320; a.ntk = 3; a.T = 2; a.H_q = 2; a.H_kv = 1; a.xscale = true; a.dt = XDtype::kBF16;
     attn_case(a); }
+  // a NaN key scale in the first step of a split (S = 0: nothing finite seen before it) must make the head's rows NaN,
+  // in the store tiles (tokens 0 and 192: warp 0's and warp 3's first step) and in the general kernel alone
+  for (int64_t k : {0, 192}) {
+    AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 0; a.mk = 320; a.mv = 320; a.ntk = 4;
+    a.H_q = 4; a.H_kv = 2; a.nan_key_token = k; a.expect_splits = 2; attn_case(a);
+  }
+  { AttnCase a; a.S = 0; a.mk = 64; a.mv = 64; a.ntk = 3; a.nan_key_token = 0; a.split_tokens = 32; attn_case(a); }
   // 3-bit keys in padded (8-byte misaligned) rows: the general kernel alone (its plan: ceil(320 / 64) splits)
   { AttnCase a; a.D = 128; a.kbits = a.vbits = 3; a.mk = 300; a.mv = 288; a.ntk = 20; a.H_q = 4; a.H_kv = 1;
     a.split_tokens = 64; a.expect_splits = 5; attn_case(a); }
