@@ -9,6 +9,8 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
   sdpa fp16   torch SDPA (enable_gqa) over the same N tokens as one fp16 K/V tensor: what an fp16 cache costs
   composed    kvkernels.decode_attention(fused_op=False): window matmuls + the two quantized GEMVs + softmax, ~8-10 ops
   fused       kvkernels.decode_attention(fused_op=True): ops.decode_attention_fused (CUDA kernel, else Triton)
+  fused general   (compiled CUDA op only) the same with KVKERNELS_ATTENTION_STORE_TILES=0: every token through the
+                  general kernel, none through the tensor-core store tiles (InnerQ presets; KIVI is the same kernel)
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
 over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). "vs sdpa" is sdpa / row
 (> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.
@@ -26,13 +28,15 @@ and say nothing about GPU speed. The GPU numbers are what this script is for (be
 """
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import sys
 
 import torch
 
-from kvkernels import bench
+from kvkernels import bench, ops
 from kvkernels.attention import decode_attention
 from kvkernels.formats import PRESETS, make_layer_cache
 from kvkernels.static_cache import StaticLayerCache
@@ -118,6 +122,25 @@ def step_rows(preset: str, batch: int, n: int, q, device) -> tuple[float, float,
     return _time_steps(dyn_step, device), _time_steps(replay, device), err
 
 
+STORE_TILES_ENV = "KVKERNELS_ATTENTION_STORE_TILES"  # csrc/cuda/decode_attention.cu: "0" = general kernel only
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """Sets (value not None) an environment variable for the block, restoring it after."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     l2 = bench._l2_bytes(device) if device.type == "cuda" else 0
@@ -146,15 +169,19 @@ def run(args) -> list[dict]:
                 want = decode_attention(q, caches[0]["c"], fused_op=False).float()
                 got = decode_attention(q, caches[0]["c"], fused_op=True).float()
                 err = (got - want).abs().max().item()
-                for path, fused in (("composed", False), ("fused", True)):
-                    us = time_fn(functools.partial(cache_step, q, fused), caches, device)
+                paths = [("composed", False, None), ("fused", True, None)]
+                if device.type == "cuda" and ops.CUDA_IMPL.get("decode_attention_fused") == "cuda":
+                    paths.append(("fused general", True, "0"))  # the compiled op without its store-tile kernel
+                for path, fused, store_tiles in paths:
+                    with _env(STORE_TILES_ENV, store_tiles):
+                        us = time_fn(functools.partial(cache_step, q, fused), caches, device)
                     row = {"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us, "vs_sdpa": base / us}
-                    if fused:
+                    if fused and store_tiles is None:
                         row["max_abs_err_vs_composed"] = err
                     rows.append(row)
                     print(
-                        f"N {n:>6} B {batch}: {preset:>14} {path:>8} {us:10.1f} us  x{base / us:5.2f} vs sdpa"
-                        + (f"  (max |fused - composed| {err:.2e})" if fused else ""),
+                        f"N {n:>6} B {batch}: {preset:>14} {path:>13} {us:10.1f} us  x{base / us:5.2f} vs sdpa"
+                        + (f"  (max |fused - composed| {err:.2e})" if "max_abs_err_vs_composed" in row else ""),
                         flush=True,
                     )
                 del caches

@@ -43,6 +43,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/decode_attention.h"
 #include "kvkernels/gemv.cuh"
@@ -465,6 +467,13 @@ struct AttnPlan {
 // store-tile kernel's extra launch and merge would cost more than its faster tiles save (a guess, not yet measured).
 constexpr int64_t kMinStoreTileTokens = 256;
 
+// KVKERNELS_ATTENTION_STORE_TILES=0 sends every token through the general kernel, so a benchmark can time both in one
+// process (bench/attention_step.py); read per call, a getenv beside a launch. Never changes the math beyond rounding.
+bool store_tiles_enabled() {
+  const char* v = std::getenv("KVKERNELS_ATTENTION_STORE_TILES");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // Validates the params (sets the launch error) and plans the launch; a pure function of the params and the
 // device's occupancy, shared with the binding's workspace sizing.
 AttnPlan plan_attention(const DecodeAttentionParams& p) {
@@ -531,7 +540,8 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   const int64_t tokens = p.N - S;  // past the sink (device lengths: the most there can be)
   const int64_t F_cap = store_tile_tokens(p.keys.m, p.values.m);
   int64_t C = p.split_tokens;
-  if (F_cap >= kMinStoreTileTokens && store_tiles_supported(p) && plan_store_tiles(p, F_cap, pl.store)) {
+  if (F_cap >= kMinStoreTileTokens && store_tiles_enabled() && store_tiles_supported(p) &&
+      plan_store_tiles(p, F_cap, pl.store)) {
     // the store tiles go to the tensor-core kernel; this kernel walks the sink and the rest in one split
     pl.store_tiles = true;
     pl.launch.skip_store = true;

@@ -942,6 +942,12 @@ void attn_cases() {
   { AttnCase a; a.aligned = true; a.D = 128; a.G = 64; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.S = 4;
     a.mk = 320; a.mv = 320; a.ntk = 3; a.T = 2; a.H_q = 2; a.H_kv = 1; a.xscale = true; a.dt = XDtype::kBF16;
     attn_case(a); }
+  // KVKERNELS_ATTENTION_STORE_TILES=0: the same innerq_base call as the first store-tile case, general kernel only
+  // (its own plan: ceil(320 / 96) = 4 splits, not 2 + 1)
+  setenv("KVKERNELS_ATTENTION_STORE_TILES", "0", 1);
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 5; a.mk = 300; a.mv = 288; a.ntk = 20;
+    a.H_q = 8; a.H_kv = 2; a.xscale = true; a.split_tokens = 96; a.expect_splits = 4; attn_case(a); }
+  unsetenv("KVKERNELS_ATTENTION_STORE_TILES");
   // a NaN key scale in the first step of a split (S = 0: nothing finite seen before it) must make the head's rows NaN,
   // in the store tiles (tokens 0 and 192: warp 0's and warp 3's first step) and in the general kernel alone
   for (int64_t k : {0, 192}) {
