@@ -137,12 +137,15 @@ MEMCHECK_K='(test_inner_q_shapes and T3 and (b1 or b3)) or (test_kivi_shapes and
 MEMCHECK_K+=' or (test_lattice_shapes and T3 and eden2-16) or (test_aqua_shapes and fp16)'
 MEMCHECK_K+=' or (test_decode_attention_fused_shapes and fp16 and 5-256) or (test_decode_attention_fused_layouts_bits and 64-key)'
 MEMCHECK_K+=' or test_decode_attention_fused_device_lengths or test_decode_attention_fused_masks'
+MEMCHECK_K+=' or (test_decode_attention_fused_store_tiles and (128-4-1 or 64-6-2 or 128-12-1) and (key0 or key2 or key3))'
+MEMCHECK_K+=' or test_decode_attention_fused_store_tiles_device_lengths'
 MEMCHECK_K+=' or (test_quantize_into_matches_cpu_bit_exact and G32 and fp16 and (b2 or b3))'
 MEMCHECK_K+=' or (test_dequantize_matches_cpu_bit_exact and narrowed and (b1 or b3))'
 MEMCHECK_K+=' or (test_inner_q_views_and_xscale and misaligned and T3 and b3) or (test_kivi_views and misaligned and b2)'
 # racecheck / synccheck: the kernels with shared-memory exchanges (split staging, cp.async pipelines, merges)
 RACE_K='test_decode_attention_fused_masks or (test_decode_attention_fused_layouts_bits and 64-key1-)'
 RACE_K+=' or (test_aqua_shapes and fp16 and rank128)'
+RACE_K+=' or (test_decode_attention_fused_store_tiles and ((128-4-1 and key0) or (64-6-2 and key2)))'
 RACE_K+=' or (test_inner_q_shapes and b3 and D128-M37 and T3) or (test_kivi_shapes and b2 and T3 and gqa4)'
 RACE_K+=' or (test_lattice_shapes and T3 and eden2-16 and N1031)'
 SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1 || true)
