@@ -540,18 +540,22 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   const int64_t tokens = p.N - S;  // past the sink (device lengths: the most there can be)
   const int64_t F_cap = store_tile_tokens(p.keys.m, p.values.m);
   int64_t C = p.split_tokens;
+  int64_t walked = tokens;  // tokens past the sink this kernel walks (device lengths: the most there can be)
   if (F_cap >= kMinStoreTileTokens && store_tiles_enabled() && store_tiles_supported(p) &&
       plan_store_tiles(p, F_cap, pl.store)) {
-    // the store tiles go to the tensor-core kernel; this kernel walks the sink and the rest in one split
+    // the store tiles go to the tensor-core kernel; this kernel walks the sink and the rest, in splits of its own over
+    // the rest when the counts are known (usually one: the edges and tails are short), else in one split (device
+    // lengths: F and so the rest move with the counts, and the capacity would plan mostly empty splits)
     pl.store_tiles = true;
     pl.launch.skip_store = true;
     pl.launch.split_base = pl.store.num_splits;
-    C = round_up(std::max<int64_t>(tokens, 1), G);
-  } else if (C == 0) {
-    C = planned_split_tokens(reinterpret_cast<const void*>(pl.fn), kThreads, pl.smem_bytes, p.num_sms, ctas, tokens, G,
-                             kMinSplitTokens);
+    if (dev) C = round_up(std::max<int64_t>(tokens, 1), G);
+    else walked = tokens - F_cap;
   }
-  const int64_t splits = split_count(tokens, C);
+  if (C == 0)
+    C = planned_split_tokens(reinterpret_cast<const void*>(pl.fn), kThreads, pl.smem_bytes, p.num_sms, ctas, walked, G,
+                             kMinSplitTokens);
+  const int64_t splits = split_count(walked, C);
   pl.launch.C = C;
   pl.launch.num_splits = static_cast<int>(splits);
   pl.total_splits = static_cast<int>(splits) + (pl.store_tiles ? pl.store.num_splits : 0);

@@ -942,6 +942,10 @@ void attn_cases() {
   { AttnCase a; a.aligned = true; a.D = 128; a.G = 64; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.S = 4;
     a.mk = 320; a.mv = 320; a.ntk = 3; a.T = 2; a.H_q = 2; a.H_kv = 1; a.xscale = true; a.dt = XDtype::kBF16;
     attn_case(a); }
+  // a key store much longer than the value store: the general kernel's rest (749 tokens past the sink) in splits of
+  // its own, ceil(749 / 128) = 6, after the store tiles' 256 / 128 = 2
+  { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.S = 3; a.mk = 1000; a.mv = 288; a.ntk = 5; a.H_q = 4;
+    a.H_kv = 1; a.split_tokens = 128; a.expect_splits = 8; a.mask_kind = 1; attn_case(a); }
   // KVKERNELS_ATTENTION_STORE_TILES=0: the same innerq_base call as the first store-tile case, general kernel only
   // (its own plan: ceil(320 / 96) = 4 splits, not 2 + 1)
   setenv("KVKERNELS_ATTENTION_STORE_TILES", "0", 1);
