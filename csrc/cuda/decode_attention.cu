@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
     if (L.direct) {
       p.out[b * p.o_sb + h * p.o_sh + t * p.o_st + c_own] = acc[k] / l_s[r];
     } else {
-      float* w = p.workspace + ((static_cast<int64_t>(L.split_base + split) * p.B + b) * p.H_q * T + h * T + t) * (D + 2);
+      float* w = partial_row(p, L.split_base + split, b, h, t);
       w[c_own] = acc[k];
       if (c_own == 0) {
         w[D] = m_s[r];

@@ -43,6 +43,13 @@ __device__ __forceinline__ TokenCounts token_counts(const DecodeAttentionParams&
   }
 }
 
+// A split's partial for output row (b, h, t) in the workspace: [slot][B][H_q][T][D + 2] = (acc[D], m, l), the layout
+// merge_splits_kernel reads; slot = the split's index among all splits of the call (the store tiles' come first).
+__device__ __forceinline__ float* partial_row(const DecodeAttentionParams& p, int slot, int64_t b, int64_t h,
+                                              int64_t t) {
+  return p.workspace + ((static_cast<int64_t>(slot) * p.B + b) * p.H_q * p.T + h * p.T + t) * (p.D + 2);
+}
+
 // Store tiles: tokens [S, S + F) with F = min(mk, mv) rounded down to kStoreStep, where every token's key and value
 // come from the quantized stores (InnerQ layouts: keys "rows", values "cols"). Both kernels compute F from the counts
 // they read, so with device lengths the split between them moves with the cache and the launch stays fixed.

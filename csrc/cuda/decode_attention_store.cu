@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     }
     const int q = r0 + r;
     const int64_t h = hk * L.gq + q / T, tq = q % T;
-    float* ws = p.workspace + ((static_cast<int64_t>(split) * p.B + b) * p.H_q * T + h * T + tq) * (D + 2);
+    float* ws = partial_row(p, split, b, h, tq);
     ws[c] = num * (1.f / kPScale);
     if (c == 0) ws[D] = mx, ws[D + 1] = den;
   }
@@ -503,8 +503,8 @@ bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesL
   while ((32 << shift) < p.group_size) ++shift;
   L.k_group_shift = shift;
   L.v_bpg_magic = block_group_magic(p.group_size / 32);
-  L.dec_k = decode_consts(p.keys.bits, p.keys.mode == QuantMode::kSym ? 1 << (p.keys.bits - 1) : 0);
-  L.dec_v = decode_consts(p.values.bits, p.values.mode == QuantMode::kSym ? 1 << (p.values.bits - 1) : 0);
+  L.dec_k = decode_consts_for(p.keys.bits, p.keys.mode);
+  L.dec_v = decode_consts_for(p.values.bits, p.values.mode);
   const int64_t ctas = p.B * p.H_kv * L.row_blocks;
   int64_t C = p.split_tokens;
   if (C == 0)

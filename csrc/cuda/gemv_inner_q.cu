@@ -657,7 +657,7 @@ cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream) 
     k.rows_per_block = pl.rows_per_block;
     k.bpg = bpg;
     k.bpg_magic = block_group_magic(bpg);
-    k.dec = decode_consts(p.bits, p.mode == QuantMode::kSym ? 1 << (p.bits - 1) : 0);
+    k.dec = decode_consts_for(p.bits, p.mode);
     if (pl.num_splits == 1) {
       k.out = OutView{p.y + t0 * p.y_st, p.y_sb, p.y_sh, p.y_st, 0};
     } else {

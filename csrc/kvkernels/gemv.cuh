@@ -172,6 +172,10 @@ template <int BITS, QuantMode MODE>
 __host__ __device__ constexpr int decode_offset() {
   return MODE == QuantMode::kSym ? (1 << (BITS - 1)) : 0;
 }
+// The decoders' constants (mma.cuh) for the offset decode_offset<BITS, MODE> gives, chosen at run time (launchers).
+inline DecodeConsts decode_consts_for(int bits, QuantMode mode) {
+  return decode_consts(bits, mode == QuantMode::kSym ? 1 << (bits - 1) : 0);
+}
 
 // Canonical words (mma.cuh) of thread t from one 32-value block of BITS words, with 32-bit loads. Bits 2: the
 // thread's half-word of the low planes is in word t / 2, so prmt(w, w, sel_lo) reads it from {w:w}; bits 3 read both
