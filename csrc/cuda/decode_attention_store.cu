@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "cuda/decode_attention.h"
 #include "kvkernels/gemv.cuh"
@@ -442,20 +443,23 @@ constexpr StoreCombo kCombos[] = {{3, QuantMode::kSym, 3, QuantMode::kSym},
                                   {4, QuantMode::kAsym, 4, QuantMode::kAsym},
                                   {1, QuantMode::kAsym, 1, QuantMode::kAsym}};
 
+constexpr int kNumCombos = static_cast<int>(sizeof(kCombos) / sizeof(kCombos[0]));
+
+// The kernel of combination `combo` (index into kCombos): one instantiation per entry, the list written once.
+template <int D, int NT, size_t... I>
+StoreKernel store_kernel_of(int combo, std::index_sequence<I...>) {
+  static const StoreKernel kernels[] = {
+      &store_tiles_kernel<D, NT, kCombos[I].kb, kCombos[I].km, kCombos[I].vb, kCombos[I].vm>...};
+  return kernels[combo];
+}
+
 template <int D, int NT>
 StoreKernel store_kernel_for(int combo) {
-  switch (combo) {
-    case 0: return &store_tiles_kernel<D, NT, 3, QuantMode::kSym, 3, QuantMode::kSym>;
-    case 1: return &store_tiles_kernel<D, NT, 3, QuantMode::kSym, 2, QuantMode::kSym>;
-    case 2: return &store_tiles_kernel<D, NT, 3, QuantMode::kSym, 2, QuantMode::kHybrid>;
-    case 3: return &store_tiles_kernel<D, NT, 4, QuantMode::kAsym, 4, QuantMode::kAsym>;
-    case 4: return &store_tiles_kernel<D, NT, 1, QuantMode::kAsym, 1, QuantMode::kAsym>;
-    default: return nullptr;
-  }
+  return store_kernel_of<D, NT>(combo, std::make_index_sequence<kNumCombos>{});
 }
 
 int combo_of(const DecodeAttentionParams& p) {
-  for (int i = 0; i < static_cast<int>(sizeof(kCombos) / sizeof(kCombos[0])); ++i) {
+  for (int i = 0; i < kNumCombos; ++i) {
     const StoreCombo& c = kCombos[i];
     if (p.keys.bits == c.kb && p.keys.mode == c.km && p.values.bits == c.vb && p.values.mode == c.vm) return i;
   }
