@@ -25,7 +25,7 @@
 # bench/<device>-<date>.json, 3 PNGs.
 #
 # Env: PYTHON (python3), VERIFY_STAGES, VERIFY_BUDGET_S (560), VERIFY_COMMIT (the tree travels without .git),
-# SANITIZER_K (pytest -k for memcheck), VERIFY_TESTS (the test stage's paths / pytest arguments, default tests),
+# SANITIZER_K (pytest -k for memcheck), VERIFY_ATTENTION_ARGS (attention_step.py's --tokens/--batch/...), VERIFY_TESTS (the test stage's paths / pytest arguments, default tests),
 # TEST_WORKERS (8; 0 = no xdist), TORCH_CUDA_ARCH_LIST (default: the visible
 # GPU's compute capability), MAX_JOBS (nproc).
 set -uo pipefail
@@ -72,8 +72,9 @@ note "$($PY -c 'import sys, torch; print("python", sys.version.split()[0], "| to
 note "$($PY -c 'import triton; print("triton", triton.__version__)' 2>&1 | tail -1)"
 
 stage "build"
-CC=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo 9.0)
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CC} MAX_JOBS=${MAX_JOBS:-$(nproc)} KVKERNELS_CUDA=1
+# not CC: the image exports CC (the host compiler), and torch passes $CC to nvcc as -ccbin
+CAPABILITY=$($PY -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo 9.0)
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$CAPABILITY} MAX_JOBS=${MAX_JOBS:-$(nproc)} KVKERNELS_CUDA=1
 if [ -z "${CUDA_HOME:-}" ]; then  # torch guesses from `which nvcc`, wrong when nvcc is a wrapper outside the toolkit
   for d in "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")" /usr/local/cuda; do
     [ -f "$d/include/cuda_runtime.h" ] && export CUDA_HOME=$d && break
@@ -202,7 +203,8 @@ fi
 if want attention; then
   stage "attention (bench/attention_step.py)"
   T=$(slot 200 40)
-  timeout "$T" $PY bench/attention_step.py --device cuda --tokens 1024 8192 32768 131072 --batch 1 8 \
+  # shellcheck disable=SC2086  # VERIFY_ATTENTION_ARGS: attention_step.py arguments, split on spaces
+  timeout "$T" $PY bench/attention_step.py --device cuda ${VERIFY_ATTENTION_ARGS:---tokens 1024 8192 32768 131072 --batch 1 8} \
     --json "$WORK/attention_step.json" >"$WORK/attention_step.log" 2>&1
   rc=$?
   note "attention_step (${T}s cap): $(status_of $rc)"
