@@ -98,6 +98,57 @@ want build && note "build (arch $TORCH_CUDA_ARCH_LIST, ${T}s cap${VERIFY_SKIP_BU
 [ $rc -ne 0 ] && tail -n 15 "$WORK/build.log" | sed 's/^/  build| /' | tee -a "$SUMMARY"
 note "backends: $($PY -c 'import kvkernels; print(kvkernels.backends())' 2>&1 | tail -1)"
 
+# A C++ exception (TORCH_CHECK in csrc/op_checks.h) thrown by a direct torch.ops call must reach Python as an
+# exception. On the first GPU run (2026-11-26, H200, built with the image's CC=/opt/gcc/bin/gcc) the tests that
+# expect one crashed their processes with SIGSEGV, while a standalone call through kvkernels' Python wrappers
+# raised: check a direct call on CPU and CUDA, before and after a Triton kernel has run in the process, and if the
+# process dies, rebuild once with the system compiler and check again.
+exceptions_ok() {
+  $PY - >"$WORK/exceptions.log" 2>&1 <<'PYEOF'
+import faulthandler
+faulthandler.enable()
+import torch
+import kvkernels
+from kvkernels import ops
+
+def bad_call(dev, when):
+    print(f"direct torch.ops call with bits=5 on {dev} ({when}) ...", flush=True)
+    try:
+        torch.ops.kvkernels.quantize_groups(torch.randn(4, 64, device=dev), 5, 32, "sym", 0.0)
+        print("  returned (no error): BUG", flush=True)
+    except Exception as e:
+        print(f"  raised {type(e).__name__}: {str(e)[:60]}", flush=True)
+
+for dev in ("cpu", "cuda"):
+    bad_call(dev, "before Triton")
+if kvkernels.backends().get("triton") == "available":
+    import kvkernels.triton_kernels as tk
+    x = torch.randn(4, 64, device="cuda")
+    tk.quantize_groups(x, 3, 32, "sym", 0.0)
+    torch.cuda.synchronize()
+    print("a Triton kernel ran", flush=True)
+    for dev in ("cpu", "cuda"):
+        bad_call(dev, "after Triton")
+print("exceptions: ok")
+PYEOF
+}
+if want build && [ $rc -eq 0 ]; then
+  if exceptions_ok; then
+    note "C++ exceptions from direct torch.ops calls: raised as Python exceptions (CPU and CUDA, before and after Triton)"
+  else
+    note "C++ exceptions: the process DIED (CC=${CC:-unset} CXX=${CXX:-unset}):"
+    tail -n 12 "$WORK/exceptions.log" | sed 's/^/  exc| /' | tee -a "$SUMMARY"
+    if [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ] && [ "${CXX:-}" != /usr/bin/g++ ]; then
+      cp "$WORK/exceptions.log" "$WORK/exceptions-first-build.log"
+      CC=/usr/bin/gcc CXX=/usr/bin/g++ timeout "$(slot 150 300)" $PY -m pip install --no-build-isolation --no-deps -e . \
+        >"$WORK/build-system-compiler.log" 2>&1
+      note "rebuilt with CC=/usr/bin/gcc CXX=/usr/bin/g++ ($(/usr/bin/g++ --version | head -1)): exit $?"
+      if exceptions_ok; then note "C++ exceptions after the rebuild: raised (the rest of this run uses that build)"
+      else note "C++ exceptions after the rebuild: still DIED"; tail -n 6 "$WORK/exceptions.log" | sed 's/^/  exc| /' | tee -a "$SUMMARY"; fi
+    fi
+  fi
+fi
+
 if want tests; then
 stage "tests"
 # The CPU stand-ins for a GPU (the CUDA emulator build, the Triton ahead-of-time compile) take minutes of this
@@ -121,7 +172,7 @@ fi
 T=$(slot 180 220)
 # -v: a line per test, so a run cut at the cap still says what passed (the junit file is written only at the end)
 # shellcheck disable=SC2086  # VERIFY_TESTS: paths / pytest arguments, split on spaces
-timeout "$T" $PY -m pytest ${VERIFY_TESTS:-tests} -rs -v -p no:cacheprovider --junitxml="$WORK/junit.xml" \
+KVKERNELS_FAILURE_LOG="$WORK/failures.log" timeout "$T" $PY -m pytest ${VERIFY_TESTS:-tests} -rs -v -p no:cacheprovider --junitxml="$WORK/junit.xml" \
   "${EXTRA[@]}" "${IGNORE[@]}" >"$OUT/tests.log" 2>&1
 rc=$?
 counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)
@@ -130,6 +181,7 @@ if [ -z "$counts" ]; then  # cut: count the per-test lines
   counts+=" $(grep -cE ' ERROR' "$OUT/tests.log") errors, $(grep -cE ' SKIPPED' "$OUT/tests.log") skipped so far"
 fi
 note "tests (${T}s cap, $WORKERS workers): $(status_of $rc) | $counts"
+[ -s "$WORK/failures.log" ] && grep -E '^=== |^E  ' "$WORK/failures.log" | cut -c1-200 | head -n 60 | sed 's/^/  fail| /' | tee -a "$SUMMARY"
 fi
 
 # memcheck: one test per kernel family and shape class (odd sizes, GQA, strided / misaligned views, split-K,
@@ -267,7 +319,7 @@ else:
     for line in topline(res):
         print("  " + line)
 EOF
-tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log junit.xml demo.log bench.log racecheck.log synccheck.log \
+tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log build-system-compiler.log exceptions.log exceptions-first-build.log failures.log junit.xml demo.log bench.log racecheck.log synccheck.log \
   attention_step.log attention_step.json generate_step.log generate_step.json 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"

@@ -46,3 +46,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """KVKERNELS_FAILURE_LOG=path: append each failure's traceback to path as it happens. bench/gpu_verify.sh sets it:
+    a test stage cut at its cap never prints pytest's failure section, and the first GPU run lost every traceback
+    that way. Written by the controlling process only (xdist workers forward their reports to it)."""
+    path = os.environ.get("KVKERNELS_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a") as f:
+        f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")

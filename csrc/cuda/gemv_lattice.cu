@@ -786,8 +786,9 @@ KeyPlan plan_keys(const GemvLatticeParams& p) {
   const int64_t wave = static_cast<int64_t>(pl.ctas_per_sm) * std::max(p.num_sms, 1);
   const int64_t bh = p.B * p.H_kv, tiles = ceil_div(p.N, 16);
   // tiles per warp: doubled while the grid still spans two waves (fewer CTAs build the table and rotate the query)
+  // and a CTA does not yet cover every token (beyond that, doubling changes nothing and would run to overflow)
   int64_t tpw = 1;
-  while (tpw < (int64_t{1} << 20) && bh * ceil_div(tiles, kWarps * tpw * 2) >= 2 * wave) tpw *= 2;
+  while (kWarps * tpw < tiles && bh * ceil_div(tiles, kWarps * tpw * 2) >= 2 * wave) tpw *= 2;
   pl.tokens_per_cta = 16 * kWarps * tpw;
   pl.blocks = ceil_div(p.N, pl.tokens_per_cta);
   if (pl.smem_bytes > kSmemBudget) pl.error = "shared memory";

@@ -984,6 +984,9 @@ int main(int argc, char** argv) {
     inner_q_case(1, 4, 1, 3, true, 3, 4032, 1, 96, QuantMode::kHybrid, XDtype::kF16, false, 4, 0, 0, 32, false);
     inner_q_case(1, 2, 1, 2, true, 70, 384, 4, 384, QuantMode::kAsym, XDtype::kF32, false, 0, 0, 0, 8, false);
     inner_q_case(1, 2, 1, 1, true, 3, 8192, 3, 2048, QuantMode::kHybrid, XDtype::kF32, false, 0, 0, 0, 64, false);
+    // (b, h_kv) x splits alone span two waves (8 x 4 splits at a wave of 4 SMs x 2): the rows-per-CTA doubling
+    // must stop at one CTA per row range (it ran to overflow and SIGFPE: values at batch 8 x 32k tokens on an H200)
+    inner_q_case(1, 8, 8, 1, true, 16, 8192, 3, 128, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
     // 16-byte loads with a 32-bit tail (L not a multiple of the vector chunk, rows 16-byte aligned): split-K with the
     // tail in the last split; L < 2 chunks; a G = 96 group straddling the last chunk and the tail; 1 and 2 bits
     inner_q_case(1, 8, 2, 1, false, 16, 4000, 3, 32, QuantMode::kHybrid, XDtype::kF16, false, 1, 0, 0, 16, false, 1);
