@@ -16,16 +16,21 @@
 #   bench      python -m kvkernels bench --out OUTDIR/bench (full sweep, stops starting cases on budget)
 #   attention  bench/attention_step.py: fused vs composed vs SDPA per layer, and the static (graph) step
 #   generate   bench/generate_step.py: generate() per-token time, fp16 / KVKernelsCache / KVKernelsStaticCache
+#   ncu        Nsight Compute on bench/ncu_gemv.py (VERIFY_NCU_ARGS): throughput, occupancy, stalls per GEMV launch
 # then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
-# Two calls cover everything in ~20 device-minutes: the default, then
-#   VERIFY_STAGES=build,racecheck,attention,generate bash bench/gpu_verify.sh OUTDIR2
+# A session has 15 device-minutes (start included): two calls, the second at once on the warm machine (it goes back
+# 30 s after a call), e.g.
+#   VERIFY_STAGES=build,tests,memcheck,ncu bash bench/gpu_verify.sh OUTDIR          (~7 min: build ~60 s, tests
+#                                                                                     <= 180 s, memcheck <= 120 s)
+#   VERIFY_SKIP_BUILD=1 VERIFY_STAGES=racecheck,attention,bench bash bench/gpu_verify.sh OUTDIR2
 # At most 8 files come back from the GPU machine, so OUTDIR holds at most: summary.txt, tests.log, sanitizer.log,
 # extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, synccheck.log, attention/generate logs and
 # JSON),
 # bench/<device>-<date>.json, 3 PNGs.
 #
 # Env: PYTHON (python3), VERIFY_STAGES, VERIFY_BUDGET_S (560), VERIFY_COMMIT (the tree travels without .git),
-# SANITIZER_K (pytest -k for memcheck), VERIFY_ATTENTION_ARGS (attention_step.py's --tokens/--batch/...), VERIFY_TESTS (the test stage's paths / pytest arguments, default tests),
+# SANITIZER_K (pytest -k for memcheck), VERIFY_ATTENTION_ARGS (attention_step.py's --tokens/--batch/...),
+# VERIFY_NCU_ARGS (ncu_gemv.py's), VERIFY_TESTS (the test stage's paths / pytest arguments, default tests),
 # TEST_WORKERS (8; 0 = no xdist), TORCH_CUDA_ARCH_LIST (default: the visible
 # GPU's compute capability), MAX_JOBS (nproc).
 set -uo pipefail
@@ -45,7 +50,7 @@ unset TRITON_INTERPRET  # real GPU: Triton compiles for the device
 STAGES=",${VERIFY_STAGES:-build,tests,memcheck,demo,bench},"
 want() { [[ $STAGES == *",$1,"* ]]; }
 for s in $(echo "${STAGES//,/ }"); do
-  case $s in build | tests | memcheck | racecheck | demo | bench | attention | generate) ;;
+  case $s in build | tests | memcheck | racecheck | demo | bench | attention | generate | ncu) ;;
     *) echo "gpu_verify: unknown stage '$s' in VERIFY_STAGES" >&2; exit 2 ;;
   esac
 done
@@ -272,6 +277,23 @@ if want generate; then
   grep -E 'us/token|FAILED' "$WORK/generate_step.log" | cut -c1-200 | sed 's/^/  gen| /' | tee -a "$SUMMARY"
   [ $rc -ne 0 ] && tail -n 8 "$WORK/generate_step.log" | cut -c1-200 | sed 's/^/  gen| /' | tee -a "$SUMMARY"
 fi
+if want ncu; then
+  stage "ncu (bench/ncu_gemv.py)"
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+  if [ -z "$NCU" ]; then
+    note "ncu: skipped (not found)"
+  else
+    T=$(slot 150 20)
+    # shellcheck disable=SC2086  # VERIFY_NCU_ARGS: ncu_gemv.py arguments, split on spaces
+    timeout "$T" "$NCU" --clock-control none -k 'regex:gemv|combine_splits' --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+      $PY bench/ncu_gemv.py ${VERIFY_NCU_ARGS:-} >"$WORK/ncu.log" 2>&1
+    rc=$?
+    note "ncu (${T}s cap): $(status_of $rc)"
+    grep -E '\)x\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Waves Per SM' "$WORK/ncu.log" |
+      cut -c1-160 | head -n 100 | sed 's/^/  ncu| /' | tee -a "$SUMMARY"
+  fi
+fi
 if want bench; then
 stage "bench"
 T=$(slot 600 20)
@@ -320,7 +342,7 @@ else:
         print("  " + line)
 EOF
 tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log build-system-compiler.log exceptions.log exceptions-first-build.log failures.log junit.xml demo.log bench.log racecheck.log synccheck.log \
-  attention_step.log attention_step.json generate_step.log generate_step.json 2>/dev/null)
+  attention_step.log attention_step.json generate_step.log generate_step.json ncu.log 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"
 echo
