@@ -144,12 +144,12 @@ cudaError_t launch_dequantize_groups(const DequantizeParams& p, cudaStream_t str
                      p.group_size, (long long)p.L);
     return cudaErrorInvalidValue;
   }
+  const int64_t n = p.rows * p.L;
+  if (n == 0) return cudaSuccess;  // before the zeros check: an empty zeros tensor has no data pointer
   if (p.mode != QuantMode::kSym && p.zeros == nullptr) {
     set_launch_error("dequantize_groups: asym and hybrid modes need zeros");
     return cudaErrorInvalidValue;
   }
-  const int64_t n = p.rows * p.L;
-  if (n == 0) return cudaSuccess;
   KVK_DISPATCH_BITS(p.bits, BITS, {
     dequantize_groups_kernel<BITS><<<grid_for(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(p);
   })

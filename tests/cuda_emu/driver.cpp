@@ -1021,6 +1021,15 @@ int main(int argc, char** argv) {
         quant_case(2, 3, 4, 128, bits, bits == 3 ? 64 : 32, (QuantMode)mode, 0.f, (XDtype)(mode));
     quant_case(1, 2, 3, 256, 1, 256, QuantMode::kAsym, 0.25f, XDtype::kF16);
     quant_case(1, 1, 2, 2048, 3, 1024, QuantMode::kHybrid, 0.f, XDtype::kBF16);
+    // empty asym / hybrid dequantize: torch hands an empty zeros tensor over as a null pointer, which is no error
+    // when there is nothing to read (it was one: the first GPU run's test_quantize_dequantize_empty[asym-cuda])
+    for (int64_t rows : {0, 3}) {
+      DequantizeParams dp{};
+      dp.rows = rows; dp.L = rows ? 0 : 64; dp.bits = 3; dp.group_size = 32; dp.mode = QuantMode::kHybrid;
+      const cudaError_t e = launch_dequantize_groups(dp, nullptr);
+      res.cases++;
+      if (e != cudaSuccess) { printf("empty dequantize rows %ld: error %s\n", (long)rows, last_launch_error()); res.fails++; }
+    }
   }
   if (which == "decode" || which == "all") decode_cases();
   if (which == "attn" || which == "all") attn_cases();
