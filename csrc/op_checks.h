@@ -76,7 +76,9 @@ inline void check_shape(const char* op, const char* name, const at::Tensor& t, a
 }
 
 // the dtype as Python spells it ("int32", "float16"), so messages read as kvkernels/_validate.py's do
-inline std::string_view dtype_name(at::ScalarType s) { return c10::getDtypeNames(s).first; }
+// A copy: torch 2.11's getDtypeNames returns its pair by value, so a view of .first dangled once the statement
+// ended (garbage bytes in the message, UnicodeDecodeError in Python; found on the first GPU run, torch 2.11).
+inline std::string dtype_name(at::ScalarType s) { return std::string(c10::getDtypeNames(s).first); }
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
   TORCH_CHECK_TYPE(t.scalar_type() == want, "kvkernels.", op, ": ", name, " must be ", dtype_name(want), ", got ",

@@ -984,6 +984,10 @@ int main(int argc, char** argv) {
     inner_q_case(1, 4, 1, 3, true, 3, 4032, 1, 96, QuantMode::kHybrid, XDtype::kF16, false, 4, 0, 0, 32, false);
     inner_q_case(1, 2, 1, 2, true, 70, 384, 4, 384, QuantMode::kAsym, XDtype::kF32, false, 0, 0, 0, 8, false);
     inner_q_case(1, 2, 1, 1, true, 3, 8192, 3, 2048, QuantMode::kHybrid, XDtype::kF32, false, 0, 0, 0, 64, false);
+    // 1-bit hybrid keys-like tiles (L = 128) at 8 / 64 query rows: the first GPU run failed such shapes of
+    // test_inner_q_shapes (b1-keys-D128-M4097-gqa8 at T 1 and 16, M37-gqa4 at T16; 12 and 24 rows passed)
+    inner_q_case(1, 8, 1, 1, true, 4097, 128, 1, 64, QuantMode::kHybrid, XDtype::kF16, false, 0, 0, 0, 132, false);
+    inner_q_case(1, 4, 1, 16, true, 37, 128, 1, 64, QuantMode::kHybrid, XDtype::kF16, false, 0, 0, 0, 132, false);
     // (b, h_kv) x splits alone span two waves (8 x 4 splits at a wave of 4 SMs x 2): the rows-per-CTA doubling
     // must stop at one CTA per row range (it ran to overflow and SIGFPE: values at batch 8 x 32k tokens on an H200)
     inner_q_case(1, 8, 8, 1, true, 16, 8192, 3, 128, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
