@@ -23,7 +23,9 @@ The same arithmetic in one op: when the cache's attention is exactly this compos
 fused_attention_operands: InnerQ, KIVI, XQuant), ops.decode_attention_fused computes scores, softmax and output in
 one split-KV pass with a log-sum-exp merge, and the scores never round-trip through memory. Which path runs:
 the `fused_op` argument, else the environment variable KVKERNELS_ATTENTION ("fused", "composed", "auto"); auto (the
-default) fuses on CUDA tensors and composes on CPU, where the op's kernel is the reference (the same work). Caches
+default) fuses on CUDA tensors when the stores have InnerQ's layouts (auto_fuses_layouts: the layouts the CUDA op
+puts on tensor cores; KIVI's measured faster composed) and composes on CPU, where the op's kernel is the reference
+(the same work). Caches
 that cannot be fused, and head dims the serving kernel does not take (the CUDA kernel: 64, 128), compose
 (use_fused_op).
 """
@@ -106,12 +108,23 @@ def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, batch: int, seq_
         raise ValueError(f"q has T={T} rows but the cache holds {seq_len} tokens; append the new tokens first")
 
 
+def auto_fuses_layouts(operands: dict) -> bool:
+    """Whether "auto" takes the fused op for these stores' layouts: only InnerQ's (keys "rows", values "cols"), whose
+    quantized tokens the CUDA op runs on tensor-core store tiles. KIVI's layouts go through its general kernel (~45
+    instructions per byte), which measured slower than the composed path on the first GPU run (H200, bench/RESULTS.md:
+    kivi2 at 8k tokens x batch 8 327 vs 156 us, at 32k x batch 1 116 vs 98 us), while innerq_base fused was 1.5x
+    faster than composed in every row. KVKERNELS_ATTENTION=fused (or fused_op=True) still fuses KIVI."""
+    return operands.get("key_layout") == "rows" and operands.get("value_layout") == "cols"
+
+
 def use_fused_op(q: torch.Tensor, cache, fused_op: bool | None = None) -> dict | None:
     """The decode_attention_fused operands of cache when decode_attention should take the one-op path, else None.
 
     fused_op True / False decides (True on a cache that cannot be fused is a ValueError). None reads
     KVKERNELS_ATTENTION: "composed" never fuses, "fused" fuses every cache that can be, "auto" (default) those on
-    CUDA. Neither fuses a head_dim the kernel serving q's device does not take (ops.fused_attention_takes)."""
+    CUDA with InnerQ's layouts (auto_fuses_layouts). Neither fuses a head_dim the kernel serving q's device does not
+    take (ops.fused_attention_takes)."""
+    auto = False
     if fused_op is None:
         policy = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
         if policy not in _POLICIES:
@@ -120,9 +133,12 @@ def use_fused_op(q: torch.Tensor, cache, fused_op: bool | None = None) -> dict |
             return None
         if not ops.fused_attention_takes(q.device, q.shape[-1]):
             return None
+        auto = policy == "auto"
     elif not fused_op:
         return None
     operands = cache.fused_attention_operands() if hasattr(cache, "fused_attention_operands") else None
+    if auto and operands is not None and not auto_fuses_layouts(operands):
+        return None
     if operands is None and fused_op:
         raise ValueError(
             "fused_op=True, but this cache's format attends its own way (its layer cache overrides an attention "

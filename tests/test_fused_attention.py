@@ -300,7 +300,8 @@ def test_bool_mask_under_another_default_dtype():
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
 def test_cuda_default_path_equals_composed(preset, D):
-    # end to end on the GPU: the default (fused where the serving kernel takes D, composed elsewhere), bool and float
+    # end to end on the GPU: the default (fused where the serving kernel takes D and auto fuses the layouts: innerq_base;
+    # composed elsewhere, kivi2 included), bool and float
     # masks through _additive_mask, against the composed path on the same cache
     g = torch.Generator().manual_seed(11)
     c = make_layer_cache(PRESETS[preset], 2, 2, D, capacity=64, device="cuda", dtype=torch.float16)
@@ -321,3 +322,10 @@ def test_which_kernel_takes_a_call(monkeypatch):
         assert ops.fused_attention_takes(cuda, 128)
         assert ops.fused_attention_takes(cuda, 96) is (impl != "cuda")
     assert ops.fused_attention_takes(torch.device("cpu"), 96)
+
+
+def test_auto_fuses_innerq_layouts_only():
+    # "auto" on CUDA: InnerQ's layouts fuse (tensor-core store tiles), KIVI's compose (measured faster on an H200)
+    for preset, want in (("innerq_base", True), ("innerq_small", True), ("kivi2", False), ("kivi4", False)):
+        c = _filled(preset, N=60, prefill=60)
+        assert attention.auto_fuses_layouts(c.fused_attention_operands()) is want, preset
