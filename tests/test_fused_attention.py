@@ -300,9 +300,9 @@ def test_bool_mask_under_another_default_dtype():
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
 def test_cuda_default_path_equals_composed(preset, D):
-    # end to end on the GPU: the default (fused where the serving kernel takes D and auto fuses the layouts: innerq_base;
-    # composed elsewhere, kivi2 included), bool and float
-    # masks through _additive_mask, against the composed path on the same cache
+    # end to end on the GPU: the default (fused where the serving kernel takes D and auto fuses the layouts, as for
+    # innerq_base; composed elsewhere, kivi2 included), bool and float masks through _additive_mask, against the
+    # composed path on the same cache
     g = torch.Generator().manual_seed(11)
     c = make_layer_cache(PRESETS[preset], 2, 2, D, capacity=64, device="cuda", dtype=torch.float16)
     k, v = torch.randn(2, 2, 300, D, generator=g), torch.randn(2, 2, 300, D, generator=g)
