@@ -55,7 +55,10 @@ constexpr int kMaxWarps = 8;              // 16 rows per warp: a 128-row value s
 constexpr int kChunkBlocks = 4;           // blocks per main-loop step: 48 bytes of a 3-bit row = three 16-byte loads
 constexpr int kChunk = 32 * kChunkBlocks;
 constexpr int kSmemBudget = 40 * 1024;    // staged query tile; under the 48 KiB default, so no opt-in attribute
-constexpr int64_t kMinSplitValues = 1024; // below this a split's staging and partial sums cost more than its codes
+// Shortest split when splitting L to fill a wave. Was 1024: on the first GPU run (H200) the value GEMV then took a
+// flat ~23 us from 2k to 16k tokens at batch 1, with 16-128 CTAs on 132 SMs, each walking its 8 chunk steps one DRAM
+// round trip at a time. 256 (2 steps) gives those shapes a wave; a partial is M x query rows floats, L2-resident.
+constexpr int64_t kMinSplitValues = 256;
 constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch (q_len > 16 loops in the launcher)
 constexpr int kFragBytes = 16;            // B fragment of one lane, block and n-tile: pairs P0..P3 of one column
 constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread

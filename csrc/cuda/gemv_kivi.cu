@@ -31,7 +31,9 @@ namespace {
 
 constexpr int kWarps = 8;                 // 256 threads
 constexpr int kSmemBudget = 40 * 1024;    // staged query tile or the row lanes' partial sums
-constexpr int64_t kMinSplitRows = 512;    // below this a split's staging and partial sums cost more than its codes
+// Shortest split when splitting R (values: tokens) to fill a wave. Was 512: the first GPU run (H200) measured the
+// KIVI value GEMV at 13.5-16 us from 512 to 8k tokens at batch 1, on 8-128 CTAs (gemv_inner_q's kMinSplitValues).
+constexpr int64_t kMinSplitRows = 256;
 constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch
 constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
 
