@@ -567,12 +567,13 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
     if (len < pl.split_len) pl.split_len = len;
   }
   pl.num_splits = ceil_div(p.L, pl.split_len);
-  // rows per CTA: one tile per warp, doubled while the grid still spans two waves (fewer CTAs stage the query) and
-  // a CTA does not yet cover every row. Without the second condition, (b, h_kv) x splits alone spanning two waves
-  // (values at batch 8 x 32k tokens on an H200) doubled the count until it overflowed to 0: SIGFPE in ceil_div.
+  // rows per CTA: one tile per warp, doubled while the doubled grid still fills a wave (fewer CTAs stage the query)
+  // and a CTA does not yet cover every row. The first GPU run (H200, keys at batch 1) measured the CTA, not the
+  // tile, as the cost: 1024 CTAs of one tile per warp took 25 us (16k tokens), 1024 of two 29 us (32k); the rule
+  // was "two waves" then. Without the second condition, (b, h_kv) x splits alone filling the waves (values at batch 8
+  // x 32k tokens) doubled the count until it overflowed to 0: SIGFPE in ceil_div.
   int64_t tiles_per_warp = 1;
-  while (warps * tiles_per_warp < mt &&
-         bh * ceil_div(mt, warps * tiles_per_warp * 2) * pl.num_splits >= 2 * wave)
+  while (warps * tiles_per_warp < mt && bh * ceil_div(mt, warps * tiles_per_warp * 2) * pl.num_splits >= wave)
     tiles_per_warp *= 2;
   pl.rows_per_block = 16 * warps * tiles_per_warp;
   pl.row_blocks = ceil_div(std::max<int64_t>(p.M, 1), pl.rows_per_block);

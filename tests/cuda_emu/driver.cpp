@@ -988,6 +988,8 @@ int main(int argc, char** argv) {
     // test_inner_q_shapes (b1-keys-D128-M4097-gqa8 at T 1 and 16, M37-gqa4 at T16; 12 and 24 rows passed)
     inner_q_case(1, 8, 1, 1, true, 4097, 128, 1, 64, QuantMode::kHybrid, XDtype::kF16, false, 0, 0, 0, 132, false);
     inner_q_case(1, 4, 1, 16, true, 37, 128, 1, 64, QuantMode::kHybrid, XDtype::kF16, false, 0, 0, 0, 132, false);
+    // keys-like, 8 (b, h_kv) at a wave of 8: 8 tiles per warp, one CTA per head (the full-tile loop, then a partial)
+    inner_q_case(2, 8, 4, 1, true, 1000, 128, 3, 32, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
     // (b, h_kv) x splits alone span two waves (8 x 4 splits at a wave of 4 SMs x 2): the rows-per-CTA doubling
     // must stop at one CTA per row range (it ran to overflow and SIGFPE: values at batch 8 x 32k tokens on an H200)
     inner_q_case(1, 8, 8, 1, true, 16, 8192, 3, 128, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
