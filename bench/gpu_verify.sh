@@ -17,12 +17,13 @@
 #   attention  bench/attention_step.py: fused vs composed vs SDPA per layer, and the static (graph) step
 #   generate   bench/generate_step.py: generate() per-token time, fp16 / KVKernelsCache / KVKernelsStaticCache
 #   ncu        Nsight Compute on bench/ncu_gemv.py (VERIFY_NCU_ARGS): throughput, occupancy, stalls per GEMV launch
+#   planner    the GEMV bench (innerq-base / small, kivi2, CUDA) with KVKERNELS_GEMV_PLANNER=v1 and without
 # then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
 # A session has 15 device-minutes (start included): two calls, the second at once on the warm machine (it goes back
 # 30 s after a call), e.g.
 #   VERIFY_STAGES=build,tests,memcheck,ncu bash bench/gpu_verify.sh OUTDIR          (~7 min: build ~60 s, tests
 #                                                                                     <= 180 s, memcheck <= 120 s)
-#   VERIFY_SKIP_BUILD=1 VERIFY_STAGES=racecheck,attention,bench bash bench/gpu_verify.sh OUTDIR2
+#   VERIFY_SKIP_BUILD=1 VERIFY_STAGES=racecheck,planner,attention,bench bash bench/gpu_verify.sh OUTDIR2
 # At most 8 files come back from the GPU machine, so OUTDIR holds at most: summary.txt, tests.log, sanitizer.log,
 # extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, synccheck.log, attention/generate logs and
 # JSON),
@@ -50,7 +51,7 @@ unset TRITON_INTERPRET  # real GPU: Triton compiles for the device
 STAGES=",${VERIFY_STAGES:-build,tests,memcheck,demo,bench},"
 want() { [[ $STAGES == *",$1,"* ]]; }
 for s in $(echo "${STAGES//,/ }"); do
-  case $s in build | tests | memcheck | racecheck | demo | bench | attention | generate | ncu) ;;
+  case $s in build | tests | memcheck | racecheck | demo | bench | attention | generate | ncu | planner) ;;
     *) echo "gpu_verify: unknown stage '$s' in VERIFY_STAGES" >&2; exit 2 ;;
   esac
 done
@@ -294,6 +295,18 @@ if want ncu; then
       cut -c1-160 | head -n 100 | sed 's/^/  ncu| /' | tee -a "$SUMMARY"
   fi
 fi
+if want planner; then
+  # the GEMV planner of the first GPU run (KVKERNELS_GEMV_PLANNER=v1) against today's, same machine, same grid
+  stage "planner (KVKERNELS_GEMV_PLANNER=v1 vs current)"
+  for which in v1 current; do
+    T=$(slot 80 40)
+    KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" \
+      --batch 1 8 --seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2 --backends cuda \
+      --budget-s $((T > 30 ? T - 20 : 10)) --no-plots --no-progress >"$WORK/planner-$which.log" 2>&1
+    note "planner $which (${T}s cap): $(status_of $?)"
+    grep -E '^(method|fp16|innerq|kivi)' "$WORK/planner-$which.log" | cut -c1-170 | sed "s/^/  $which| /" | tee -a "$SUMMARY"
+  done
+fi
 if want bench; then
 stage "bench"
 T=$(slot 600 20)
@@ -342,7 +355,8 @@ else:
         print("  " + line)
 EOF
 tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log build-system-compiler.log exceptions.log exceptions-first-build.log failures.log junit.xml demo.log bench.log racecheck.log synccheck.log \
-  attention_step.log attention_step.json generate_step.log generate_step.json ncu.log 2>/dev/null)
+  attention_step.log attention_step.json generate_step.log generate_step.json ncu.log planner-v1.log \
+  planner-current.log 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"
 echo

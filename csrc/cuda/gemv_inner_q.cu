@@ -560,10 +560,12 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
     return pl;
   }
   pl.split_len = p.L <= max_len ? p.L : max_len;
+  const bool v1 = gemv_planner_v1();
+  const int64_t min_split = v1 ? 1024 : kMinSplitValues;
   const int64_t rb1 = ceil_div(mt, warps);  // CTAs per (b, h_kv) with one tile per warp
-  if (bh * rb1 * ceil_div(p.L, pl.split_len) < wave && p.L > kMinSplitValues) {
+  if (bh * rb1 * ceil_div(p.L, pl.split_len) < wave && p.L > min_split) {
     const int64_t want = ceil_div(wave, bh * rb1);  // splits for one wave
-    const int64_t len = round_up(std::max(ceil_div(p.L, want), kMinSplitValues), kChunk);
+    const int64_t len = round_up(std::max(ceil_div(p.L, want), min_split), kChunk);
     if (len < pl.split_len) pl.split_len = len;
   }
   pl.num_splits = ceil_div(p.L, pl.split_len);
@@ -573,7 +575,8 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   // was "two waves" then. Without the second condition, (b, h_kv) x splits alone filling the waves (values at batch 8
   // x 32k tokens) doubled the count until it overflowed to 0: SIGFPE in ceil_div.
   int64_t tiles_per_warp = 1;
-  while (warps * tiles_per_warp < mt && bh * ceil_div(mt, warps * tiles_per_warp * 2) * pl.num_splits >= wave)
+  const int64_t fill = v1 ? 2 * wave : wave;
+  while (warps * tiles_per_warp < mt && bh * ceil_div(mt, warps * tiles_per_warp * 2) * pl.num_splits >= fill)
     tiles_per_warp *= 2;
   pl.rows_per_block = 16 * warps * tiles_per_warp;
   pl.row_blocks = ceil_div(std::max<int64_t>(p.M, 1), pl.rows_per_block);

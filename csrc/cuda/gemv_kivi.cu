@@ -402,9 +402,10 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   int64_t max_rows = 16 * rw;
   while (kivi_smem(max_rows + 16 * rw, pl.nt, ct) <= kSmemBudget) max_rows += 16 * rw;
   pl.split_len = p.R <= max_rows ? p.R : max_rows;
-  if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * kMinSplitRows) {
+  const int64_t min_split = gemv_planner_v1() ? 512 : kMinSplitRows;
+  if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * min_split) {
     const int64_t want = ceil_div(wave, bh * pl.col_blocks);  // splits for one wave (values: long R)
-    const int64_t len = round_up(std::max(ceil_div(p.R, want), kMinSplitRows), 16 * rw);
+    const int64_t len = round_up(std::max(ceil_div(p.R, want), min_split), 16 * rw);
     if (len < pl.split_len) pl.split_len = len;
   }
   pl.num_splits = ceil_div(p.R, pl.split_len);

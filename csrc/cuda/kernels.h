@@ -12,6 +12,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "kvkernels/lattice.cuh"
 #include "kvkernels/quant.cuh"
@@ -24,6 +26,15 @@ enum class XDtype : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
 // Message of the last launcher failure on this thread (unsupported template value, bad config); "" if none.
 // The binding appends it to its error so a `default:` dispatch branch reads as a sentence, not a code.
 const char* last_launch_error();
+
+// KVKERNELS_GEMV_PLANNER=v1: the split / CTA-size rules of gemv_inner_q and gemv_kivi as the first GPU run (H200,
+// 2026-11-26) measured them (shortest split 1024 / 512, InnerQ rows per CTA doubled while two waves remain), so a
+// benchmark can time them against today's rules on one machine. Read per plan (a getenv beside a launch); the math is
+// the same up to the split-K summation order.
+inline bool gemv_planner_v1() {
+  const char* v = std::getenv("KVKERNELS_GEMV_PLANNER");
+  return v != nullptr && std::strcmp(v, "v1") == 0;
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // gemv_inner_q:  y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes[b, h_kv, m, l])

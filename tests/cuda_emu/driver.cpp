@@ -990,6 +990,11 @@ int main(int argc, char** argv) {
     inner_q_case(1, 4, 1, 16, true, 37, 128, 1, 64, QuantMode::kHybrid, XDtype::kF16, false, 0, 0, 0, 132, false);
     // keys-like, 8 (b, h_kv) at a wave of 8: 8 tiles per warp, one CTA per head (the full-tile loop, then a partial)
     inner_q_case(2, 8, 4, 1, true, 1000, 128, 3, 32, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
+    // the first GPU run's planner (KVKERNELS_GEMV_PLANNER=v1: other splits and CTA sizes, the same results)
+    setenv("KVKERNELS_GEMV_PLANNER", "v1", 1);
+    inner_q_case(2, 8, 4, 1, true, 1000, 128, 3, 32, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
+    inner_q_case(1, 8, 2, 3, true, 8, 2048, 3, 64, QuantMode::kAsym, XDtype::kBF16, true, 8, 0, 4, 16, false);
+    unsetenv("KVKERNELS_GEMV_PLANNER");
     // (b, h_kv) x splits alone span two waves (8 x 4 splits at a wave of 4 SMs x 2): the rows-per-CTA doubling
     // must stop at one CTA per row range (it ran to overflow and SIGFPE: values at batch 8 x 32k tokens on an H200)
     inner_q_case(1, 8, 8, 1, true, 16, 8192, 3, 128, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 4, false);
@@ -1020,6 +1025,9 @@ int main(int argc, char** argv) {
     }
     kivi_case(1, 16, 1, 20, true, 40, 64, 3, 32, XDtype::kF32, 2, 0, 4);
     kivi_case(2, 4, 4, 1, false, 3000, 64, 2, 64, XDtype::kF16, 0, 0, 16);
+    setenv("KVKERNELS_GEMV_PLANNER", "v1", 1);  // the first GPU run's splits (longer), the same results
+    kivi_case(2, 4, 4, 1, false, 3000, 64, 2, 64, XDtype::kF16, 0, 0, 16);
+    unsetenv("KVKERNELS_GEMV_PLANNER");
   }
   if (which == "q" || which == "all") {
     for (int bits = 1; bits <= 4; ++bits)
