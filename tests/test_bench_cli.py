@@ -1,6 +1,7 @@
 """`python -m kvkernels bench --quick` on a tiny CPU grid: JSON schema, plots, the CPU label, skip reasons."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -140,7 +141,9 @@ def test_generate_step_bench_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["row"] for r in rows] == ["fp16 dynamic", "fp16 static +compile", "kivi2 dynamic", "kivi2 static"]
-    assert all(r["us_per_token"] > 0 for r in rows) and rows[-1]["same_tokens"] is True
+    # us_per_token is a difference of two timings (long minus short generate): on a loaded CI machine it can come out
+    # <= 0 (it did once), so only its presence is checked here: no timing assertions in tests
+    assert all(math.isfinite(r["us_per_token"]) for r in rows) and rows[-1]["same_tokens"] is True
 
 
 @pytest.mark.parametrize("args", [["--new", "3"], ["--reps", "0"], ["--tokens", "0"], ["--batch", "0"]])
