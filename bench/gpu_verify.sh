@@ -148,7 +148,8 @@ if want build && [ $rc -eq 0 ]; then
       cp "$WORK/exceptions.log" "$WORK/exceptions-first-build.log"
       CC=/usr/bin/gcc CXX=/usr/bin/g++ timeout "$(slot 150 300)" $PY -m pip install --no-build-isolation --no-deps -e . \
         >"$WORK/build-system-compiler.log" 2>&1
-      note "rebuilt with CC=/usr/bin/gcc CXX=/usr/bin/g++ ($(/usr/bin/g++ --version | head -1)): exit $?"
+      rc2=$?
+      note "rebuilt with CC=/usr/bin/gcc CXX=/usr/bin/g++ ($(/usr/bin/g++ --version | head -1)): $(status_of $rc2)"
       if exceptions_ok; then note "C++ exceptions after the rebuild: raised (the rest of this run uses that build)"
       else note "C++ exceptions after the rebuild: still DIED"; tail -n 6 "$WORK/exceptions.log" | sed 's/^/  exc| /' | tee -a "$SUMMARY"; fi
     fi
