@@ -19,11 +19,12 @@
 #   ncu        Nsight Compute on bench/ncu_gemv.py (VERIFY_NCU_ARGS): throughput, occupancy, stalls per GEMV launch
 #   planner    the GEMV bench (innerq-base / small, kivi2, CUDA) with KVKERNELS_GEMV_PLANNER=v1 and without
 # then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
-# A session has 15 device-minutes (start included): two calls, the second at once on the warm machine (it goes back
-# 30 s after a call), e.g.
-#   VERIFY_STAGES=build,tests,memcheck,ncu bash bench/gpu_verify.sh OUTDIR          (~7 min: build ~60 s, tests
-#                                                                                     <= 180 s, memcheck <= 120 s)
-#   VERIFY_SKIP_BUILD=1 VERIFY_STAGES=racecheck,planner,attention,bench bash bench/gpu_verify.sh OUTDIR2
+# A session has 15 device-minutes, machine start (~30 s) included: two calls of ~6.5 min, the second at once on the
+# warm machine (it goes back 30 s after a call), e.g.
+#   VERIFY_BUDGET_S=390 VERIFY_STAGES=build,tests,ncu bash bench/gpu_verify.sh OUTDIR      (build ~60 s, exception
+#                                                                   check ~15 s, tests <= 180 s, ncu the rest)
+#   VERIFY_BUDGET_S=390 VERIFY_SKIP_BUILD=1 VERIFY_STAGES=memcheck,planner,attention \
+#     VERIFY_ATTENTION_ARGS="--tokens 32768 131072 --batch 1 8 --no-steps" bash bench/gpu_verify.sh OUTDIR2
 # At most 8 files come back from the GPU machine, so OUTDIR holds at most: summary.txt, tests.log, sanitizer.log,
 # extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, synccheck.log, attention/generate logs and
 # JSON),
