@@ -116,7 +116,6 @@ import faulthandler
 faulthandler.enable()
 import torch
 import kvkernels
-from kvkernels import ops
 
 def bad_call(dev, when):
     print(f"direct torch.ops call with bits=5 on {dev} ({when}) ...", flush=True)

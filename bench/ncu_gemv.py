@@ -18,15 +18,14 @@ from kvkernels import bench
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--methods", nargs="+", default=["innerq-base", "kivi2"])
+    p.add_argument("--methods", nargs="+", choices=list(bench.METHODS), default=["innerq-base", "kivi2"])
     p.add_argument("--seqlen", type=int, default=131072)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--calls", type=int, default=2)
     a = p.parse_args()
     dev = torch.device("cuda")
-    methods = bench.METHODS
     for name in a.methods:
-        m = methods[name]
+        m = bench.METHODS[name]
         impl, why = bench.resolve_impl(m, "cuda", dev)
         if impl is None:
             print(f"{name}: skipped ({why})")

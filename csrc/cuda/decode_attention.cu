@@ -43,8 +43,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/decode_attention.h"
 #include "kvkernels/gemv.cuh"
@@ -469,10 +467,7 @@ constexpr int64_t kMinStoreTileTokens = 256;
 
 // KVKERNELS_ATTENTION_STORE_TILES=0 sends every token through the general kernel, so a benchmark can time both in one
 // process (bench/attention_step.py); read per call, a getenv beside a launch. Never changes the math beyond rounding.
-bool store_tiles_enabled() {
-  const char* v = std::getenv("KVKERNELS_ATTENTION_STORE_TILES");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+bool store_tiles_enabled() { return !env_equals("KVKERNELS_ATTENTION_STORE_TILES", "0"); }
 
 // Validates the params (sets the launch error) and plans the launch; a pure function of the params and the
 // device's occupancy, shared with the binding's workspace sizing.

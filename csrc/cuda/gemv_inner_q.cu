@@ -59,6 +59,7 @@ constexpr int kSmemBudget = 40 * 1024;    // staged query tile; under the 48 KiB
 // flat ~23 us from 2k to 16k tokens at batch 1, with 16-128 CTAs on 132 SMs, each walking its 8 chunk steps one DRAM
 // round trip at a time. 256 (2 steps) gives those shapes a wave; a partial is M x query rows floats, L2-resident.
 constexpr int64_t kMinSplitValues = 256;
+constexpr int64_t kMinSplitValuesV1 = 1024;  // the same under KVKERNELS_GEMV_PLANNER=v1 (kernels.h)
 constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch (q_len > 16 loops in the launcher)
 constexpr int kFragBytes = 16;            // B fragment of one lane, block and n-tile: pairs P0..P3 of one column
 constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
@@ -561,7 +562,7 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   }
   pl.split_len = p.L <= max_len ? p.L : max_len;
   const bool v1 = gemv_planner_v1();
-  const int64_t min_split = v1 ? 1024 : kMinSplitValues;
+  const int64_t min_split = v1 ? kMinSplitValuesV1 : kMinSplitValues;
   const int64_t rb1 = ceil_div(mt, warps);  // CTAs per (b, h_kv) with one tile per warp
   if (bh * rb1 * ceil_div(p.L, pl.split_len) < wave && p.L > min_split) {
     const int64_t want = ceil_div(wave, bh * rb1);  // splits for one wave

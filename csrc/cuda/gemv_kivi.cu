@@ -34,6 +34,7 @@ constexpr int kSmemBudget = 40 * 1024;    // staged query tile or the row lanes'
 // Shortest split when splitting R (values: tokens) to fill a wave. Was 512: the first GPU run (H200) measured the
 // KIVI value GEMV at 13.5-16 us from 512 to 8k tokens at batch 1, on 8-128 CTAs (gemv_inner_q's kMinSplitValues).
 constexpr int64_t kMinSplitRows = 256;
+constexpr int64_t kMinSplitRowsV1 = 512;  // the same under KVKERNELS_GEMV_PLANNER=v1 (kernels.h)
 constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch
 constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
 
@@ -402,7 +403,7 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   int64_t max_rows = 16 * rw;
   while (kivi_smem(max_rows + 16 * rw, pl.nt, ct) <= kSmemBudget) max_rows += 16 * rw;
   pl.split_len = p.R <= max_rows ? p.R : max_rows;
-  const int64_t min_split = gemv_planner_v1() ? 512 : kMinSplitRows;
+  const int64_t min_split = gemv_planner_v1() ? kMinSplitRowsV1 : kMinSplitRows;
   if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * min_split) {
     const int64_t want = ceil_div(wave, bh * pl.col_blocks);  // splits for one wave (values: long R)
     const int64_t len = round_up(std::max(ceil_div(p.R, want), min_split), 16 * rw);

@@ -27,14 +27,18 @@ enum class XDtype : int { kF16 = 0, kBF16 = 1, kF32 = 2 };
 // The binding appends it to its error so a `default:` dispatch branch reads as a sentence, not a code.
 const char* last_launch_error();
 
+// Whether environment variable `name` is set to exactly `value`: the launchers' benchmark switches, read per call
+// (a getenv beside a launch).
+inline bool env_equals(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+
 // KVKERNELS_GEMV_PLANNER=v1: the split / CTA-size rules of gemv_inner_q and gemv_kivi as the first GPU run (H200,
 // 2026-11-26) measured them (shortest split 1024 / 512, InnerQ rows per CTA doubled while two waves remain), so a
-// benchmark can time them against today's rules on one machine. Read per plan (a getenv beside a launch); the math is
-// the same up to the split-K summation order.
-inline bool gemv_planner_v1() {
-  const char* v = std::getenv("KVKERNELS_GEMV_PLANNER");
-  return v != nullptr && std::strcmp(v, "v1") == 0;
-}
+// benchmark can time them against today's rules on one machine. Read per plan; the math is the same up to the
+// split-K summation order.
+inline bool gemv_planner_v1() { return env_equals("KVKERNELS_GEMV_PLANNER", "v1"); }
 
 // ---------------------------------------------------------------------------------------------------------
 // gemv_inner_q:  y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes[b, h_kv, m, l])
