@@ -123,7 +123,9 @@ done
 # ---- 2. wide code loads in the SASS ------------------------------------------------------------------------------
 # The GEMVs' VEC=true instantiations (picked at run time when code rows are 16-byte aligned) exist to read codes
 # with 64/128-bit loads. A change that made the compiler split them into 32-bit loads would cost bandwidth, not
-# correctness, so no test would notice: read the SASS. VEC is the last template argument (mangled "Lb1EEE").
+# correctness, so no test would notice: read the SASS. VEC is the last template argument: gemv_kivi's bool
+# (mangled "Lb1EEE"), gemv_inner_q's int LOADS (1 "Li1EEE": 16-byte loads to registers; 2 "Li2EEE": the cp.async
+# ring, whose codes must arrive by 16-byte LDGSTS).
 echo
 CUOBJDUMP="$(command -v cuobjdump || ls "$(dirname "$(readlink -f "$NVCC")")/cuobjdump" \
   .venv/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -n 1)"
@@ -137,10 +139,12 @@ else
     [[ "$(basename "$o")" == gemv_lattice.o ]] && continue
     "$CUOBJDUMP" -sass "$o" | awk '
       /code for sm_/ { arch = $3 }
-      /Function : / { fn = $3; if (fn ~ /Lb1EEE/) { vec[fn " " arch] = 1 } }
+      /Function : / { fn = $3; if (fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 } if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 } }
       /LDG\.E\.(64|128)/ { wide[fn " " arch] = 1 }
+      /LDGSTS.*\.128/ { async[fn " " arch] = 1 }
       END {
         for (k in vec) { n++; if (!(k in wide)) { print "NARROW " k; bad++ } }
+        for (k in ring) { n++; if (!(k in async)) { print "NARROW " k; bad++ } }
         print "#vec " n + 0 " narrow " bad + 0
       }' >"$WORK/wide.txt"
     summary="$(tail -n 1 "$WORK/wide.txt")"
@@ -150,10 +154,10 @@ else
       status=1
     elif [ "$(echo "$summary" | awk '{print $4}')" != 0 ]; then
       grep NARROW "$WORK/wide.txt" | c++filt | sed -E "$DEMANGLE_SED" | head -n 20
-      echo "FAIL: $name: VEC=true kernels without 64/128-bit code loads"
+      echo "FAIL: $name: VEC=true kernels without 64/128-bit code loads (or ring kernels without 16-byte LDGSTS)"
       status=1
     else
-      echo "== wide loads: $name: all $(echo "$summary" | awk '{print $2}') VEC=true kernel/arch pairs use LDG.E.64/128"
+      echo "== wide loads: $name: all $(echo "$summary" | awk '{print $2}') VEC / ring kernel/arch pairs use LDG.E.64/128 / LDGSTS.128"
     fi
   done
 fi

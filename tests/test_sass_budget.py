@@ -32,6 +32,24 @@ __global__ void planted_fma(const float* __restrict__ src, float* __restrict__ d
   }
   dst[blockIdx.x * blockDim.x + threadIdx.x] = acc;
 }
+// A 4-stage cp.async pipeline: 3 iterations' 16-byte loads in flight while one is stored (one thread reads its own
+// copies only, so no barrier). The wait must show up as DEPBAR.LE SB0, 0x2.
+__global__ void planted_pipe(const uint4* __restrict__ src, uint4* __restrict__ dst, int n) {
+  __shared__ __align__(16) uint4 buf[4][128];
+  const int t = threadIdx.x;
+  for (int s = 0; s < 3; ++s) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(&buf[s][t]));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src + s * 128 + t));
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  for (int k = 0; k < n; ++k) {
+    asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+    dst[k * 128 + t] = buf[k % 4][t];
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(&buf[(k + 3) % 4][t]));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(src + (k + 3) * 128 + t));
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+}
 """
 
 nvcc = sb.find_nvcc()
@@ -82,9 +100,35 @@ def test_fma_loop_is_far_over_budget_and_fma_bound(planted):
     assert m["pct_copy_bw"] < 50
 
 
+def test_in_flight_reads_the_pipeline_depth(planted):
+    # the copy loop: one iteration's 16-byte load per thread in flight; at one CTA of 4 warps per SM that is 2 KB,
+    # far under latency x bandwidth: latency-bound
+    k = planted["planted_copy"]
+    hot, _ = sb.hot_loops(k)
+    m = measure(k, 16)
+    sb.in_flight(m, k, hot, 32 * 16, 1, 128)
+    assert m["iterations_in_flight"] == 1
+    assert m["kb_in_flight_per_sm"] == 2.0
+    # 2 KB x 132 SMs / 0.9 us = 0.30 TB/s: 10 % of the H100's 3.0 TB/s
+    assert m["bottleneck"] == "latency" and 9.9 < m["pct_copy_bw"] < 10.1
+    # the cp.async pipeline: wait_group 2 keeps 3 iterations in flight
+    p = planted["planted_pipe"]
+    loops = [lp for lp in sb.find_loops(p) if any(op.startswith("DEPBAR") for _, op, _ in sb.body(p, lp))]
+    assert loops  # the compiler may unroll it into a main loop and a remainder: each waits the same way
+    for lp in loops:
+        mp = {"pct_copy_bw": 100.0, "bottleneck": "issue"}
+        sb.in_flight(mp, p, lp, 32 * 16, 1, 128)
+        assert mp["iterations_in_flight"] == 3
+        assert mp["kb_in_flight_per_sm"] == 6.0
+
+
 def test_spec_and_bytes_of_the_gemv_names():
-    s = sb.spec_of("void kvk::(anonymous namespace)::gemv_inner_q_kernel<3, (kvk::QuantMode)0, 2, true>(...)")
-    assert (s.family, s.bits, s.mode, s.query_rows, s.vec) == ("inner_q", 3, "sym", 8, True)
+    s = sb.spec_of("void kvk::(anonymous namespace)::gemv_inner_q_kernel<3, (kvk::QuantMode)0, 2, 1>(...)")
+    assert (s.family, s.bits, s.mode, s.query_rows, s.vec, s.ring) == ("inner_q", 3, "sym", 8, True, False)
+    r = sb.spec_of("void kvk::(anonymous namespace)::gemv_inner_q_kernel<4, (kvk::QuantMode)1, 1, 2>(...)")
+    assert (r.bits, r.mode, r.query_rows, r.vec, r.ring) == (4, "asym", 4, True, True)
+    w = sb.spec_of("void kvk::(anonymous namespace)::gemv_inner_q_kernel<2, (kvk::QuantMode)2, 1, 0>(...)")
+    assert (w.vec, w.ring) == (False, False)
     # 16 rows x 4 blocks x (12 code bytes + one fp16 scale)
     assert sb.bytes_per_iteration(s) == 16 * 4 * (12 + 2)
     k = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<2, 1, 16, false>(...)")

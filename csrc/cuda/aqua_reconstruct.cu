@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvkernels/async_copy.cuh"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/lattice.cuh"
 #include "kvkernels/mma.cuh"
@@ -79,46 +80,7 @@ constexpr int kMaxGroup = 128;
 // memory allows anyway, at <= 170 (its 10 chunk pointers per thread do not fit 128 without spilling in the loop).
 __host__ __device__ constexpr int mma_min_ctas(int wm) { return wm == 1 ? 6 : 4; }
 
-// ---- shared-memory addressing, cp.async, ldmatrix ------------------------------------------------------------
-// A shared-memory address as cp.async / ldmatrix take it: 32-bit on the device, a host pointer in the emulator.
-#if defined(__CUDA_ARCH__)
-using SmemAddr = uint32_t;
-__device__ __forceinline__ SmemAddr smem_addr(void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-#else
-using SmemAddr = char*;
-inline SmemAddr smem_addr(void* p) { return static_cast<char*>(p); }
-#endif
-
-// 16 bytes global -> shared (cp.async.cg: through L2 only; both addresses 16-byte aligned). The emulator copies
-// synchronously (the data arrives early, never late).
-__device__ __forceinline__ void cp_async16(SmemAddr dst, const void* src) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-#else
-  std::memcpy(dst, src, 16);
-#endif
-}
-// The same, reading only the first `bytes` (0..16) and zero-filling the rest (src-size).
-__device__ __forceinline__ void cp_async16_zfill(SmemAddr dst, const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-#else
-  std::memcpy(dst, src, bytes);
-  std::memset(dst + bytes, 0, 16 - bytes);
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
+// ---- ldmatrix (cp.async and shared-memory addresses: kvkernels/async_copy.cuh) ---------------------------------
 // ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8j .. 8j + 7 give the row addresses of matrix j; r[j] of lane i is
 // matrix j's row i / 4, elements 2 (i % 4), 2 (i % 4) + 1 (an MMA fragment register).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], SmemAddr a) {

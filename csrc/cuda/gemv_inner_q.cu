@@ -12,13 +12,16 @@
 // CTA = (row block of M, split of L, (b, h_kv)), 32-256 threads. The CTA stages its query tile once: per query
 // row the absolute maximum (-> scale 2^e), then per (n-tile, block, lane) the 16-byte B fragment, laid out so a
 // lane reads its own with one conflict-free 16-byte shared load; plus sum(xs) per (query row, block) when the
-// mode has zero points. Warps then walk 16-row tiles; along L a warp reads 4 blocks (128 values) of its two rows
-// per step with 16-byte loads (bits 1-3, 16-byte-aligned rows; 4 bits reads the one word it needs per block),
-// double-buffered in registers, and the row's last L % 128 values block by block with 32-bit loads.
+// mode has zero points. Warps then walk 16-row tiles; along L a warp takes 4 blocks (128 values) of its 16 rows per
+// step, and the row's last L % 128 values block by block with 32-bit loads. A step's codes, scales and zeros come
+// (kLoadRing: 16-byte aligned code rows, G = 32, 8-byte aligned scale / zero rows, as the caches allocate them)
+// through a per-warp cp.async ring in shared memory that keeps the next 2-5 steps in flight, or else straight into
+// registers (16-byte loads for aligned rows at 1-3 bits, else 32-bit words), one step at a time.
 // More query rows than one tile (GQA ratio x q_len > 16) loop over tiles, re-reading the codes from L2.
 //
 // Planning (plan_inner_q, a pure function of the params and the device's occupancy, so the binding sizes the
-// workspace with the rule the launcher uses): one wave = resident CTAs per SM x SMs. Keys (M = tokens) get row
+// workspace with the rule the launcher uses): one wave = resident CTAs per SM x SMs. With the ring, its slots and
+// the query tile share the 48 KiB a CTA may use without an opt-in (the tile gets what the ring leaves). Keys (M = tokens) get row
 // blocks; values (M = head_dim, L = tokens) split L into whole 128-value chunks only while (B x H_kv x row blocks)
 // is below one wave, and combine_splits sums the splits in a fixed order (deterministic).
 #include <cuda_runtime.h>
@@ -27,6 +30,7 @@
 #include <cstdarg>
 #include <cstdio>
 
+#include "kvkernels/async_copy.cuh"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/mma.cuh"
 
@@ -55,6 +59,7 @@ constexpr int kMaxWarps = 8;              // 16 rows per warp: a 128-row value s
 constexpr int kChunkBlocks = 4;           // blocks per main-loop step: 48 bytes of a 3-bit row = three 16-byte loads
 constexpr int kChunk = 32 * kChunkBlocks;
 constexpr int kSmemBudget = 40 * 1024;    // staged query tile; under the 48 KiB default, so no opt-in attribute
+constexpr size_t kCtaSmem = 48 * 1024;    // a CTA's whole dynamic shared memory with the code ring (no opt-in)
 // Shortest split when splitting L to fill a wave. Was 1024: on the first GPU run (H200) the value GEMV then took a
 // flat ~23 us from 2k to 16k tokens at batch 1, with 16-128 CTAs on 132 SMs, each walking its 8 chunk steps one DRAM
 // round trip at a time. 256 (2 steps) gives those shapes a wave; a partial is M x query rows floats, L2-resident.
@@ -179,9 +184,9 @@ struct ZeroA {
   uint32_t s;  // -|s| pair for hybrid's sym groups (0 for asym groups, and always 0 in asym mode)
 };
 
+// s0, s1: the fp16 scales of the two blocks; zp: their fp16 zeros as one pair (low half = the first block).
 template <QuantMode MODE>
-__device__ __forceinline__ ZeroA zero_a(uint32_t s0, uint32_t s1, uint32_t z0, uint32_t z1) {
-  const uint32_t zp = prmt(z0, z1, 0x5410u);
+__device__ __forceinline__ ZeroA zero_a(uint32_t s0, uint32_t s1, uint32_t zp) {
   if constexpr (MODE == QuantMode::kAsym) {
     return {zp, 0u};
   } else {
@@ -221,9 +226,32 @@ struct ChunkCtx {
   uint32_t sel_lo, sel_hi;
 };
 
-// One main-loop step: kChunkBlocks blocks of the two rows. GROUP32: G = 32, the group of block n is n itself, so the
-// four scales are one base pointer plus immediate offsets; otherwise group(n) = umulhi(n, bpg_magic) with n the
-// absolute block index of the step's first block (blk_abs) plus j.
+// The arithmetic of one main-loop step: kChunkBlocks blocks of the two rows, given their raw words, the blocks' scales
+// sa / sb and (modes with zeros) the packed zero pairs za / zb of blocks jj, jj + 1 (zero_a).
+template <int BITS, QuantMode MODE, int NT, bool VEC>
+__device__ __forceinline__ void chunk_compute(const ChunkWords<BITS, VEC>& wa, const ChunkWords<BITS, VEC>& wb,
+                                              const uint16_t (&sa)[kChunkBlocks], const uint16_t (&sb)[kChunkBlocks],
+                                              uint32_t za, uint32_t zb, const ChunkCtx& x, const DecodeConsts& kc,
+                                              float (&acc)[NT][2], float (&zacc)[NT][4]) {
+  if constexpr (MODE != QuantMode::kSym) {
+    const bool hi = x.jj != 0;
+    const ZeroA a = zero_a<MODE>(hi ? sa[2] : sa[0], hi ? sa[3] : sa[1], za);
+    const ZeroA b = zero_a<MODE>(hi ? sb[2] : sb[0], hi ? sb[3] : sb[1], zb);
+    zero_mma<NT>(a, b, x.zfrag, x.zfrag_nt_stride, zacc);
+  }
+#pragma unroll
+  for (int j = 0; j < kChunkBlocks; ++j) {
+    uint32_t Xa, Xha = 0, Xb, Xhb = 0;
+    gather_chunk(wa, j, x.sel_lo, x.sel_hi, Xa, Xha);
+    gather_chunk(wb, j, x.sel_lo, x.sel_hi, Xb, Xhb);
+    block_mma<BITS, MODE, NT, false>(Xa, Xha, Xb, Xhb, sa[j], 0, sb[j], 0, x.frag + j * 32, x.frag_nt_stride,
+                                     nullptr, 0, x.t, kc, acc);
+  }
+}
+
+// One main-loop step with loads to registers: kChunkBlocks blocks of the two rows. GROUP32: G = 32, the group of
+// block n is n itself, so the four scales are one base pointer plus immediate offsets; otherwise
+// group(n) = umulhi(n, bpg_magic) with n the absolute block index of the step's first block (blk_abs) plus j.
 template <int BITS, QuantMode MODE, int NT, bool VEC, bool GROUP32>
 __device__ __forceinline__ void chunk_step(const RowPair& r, uint32_t blk_abs, uint32_t bpg_magic, const ChunkCtx& x,
                                            const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
@@ -237,6 +265,7 @@ __device__ __forceinline__ void chunk_step(const RowPair& r, uint32_t blk_abs, u
     sa[j] = __ldg(r.s[0] + gi);
     sb[j] = __ldg(r.s[1] + gi);
   }
+  uint32_t za = 0, zb = 0;
   if constexpr (MODE != QuantMode::kSym) {
     uint32_t z[2][2];
 #pragma unroll
@@ -245,19 +274,10 @@ __device__ __forceinline__ void chunk_step(const RowPair& r, uint32_t blk_abs, u
       z[0][i] = __ldg(r.z[0] + gi);
       z[1][i] = __ldg(r.z[1] + gi);
     }
-    const bool hi = x.jj != 0;
-    const ZeroA a = zero_a<MODE>(hi ? sa[2] : sa[0], hi ? sa[3] : sa[1], z[0][0], z[0][1]);
-    const ZeroA b = zero_a<MODE>(hi ? sb[2] : sb[0], hi ? sb[3] : sb[1], z[1][0], z[1][1]);
-    zero_mma<NT>(a, b, x.zfrag, x.zfrag_nt_stride, zacc);
+    za = prmt(z[0][0], z[0][1], 0x5410u);
+    zb = prmt(z[1][0], z[1][1], 0x5410u);
   }
-#pragma unroll
-  for (int j = 0; j < kChunkBlocks; ++j) {
-    uint32_t Xa, Xha = 0, Xb, Xhb = 0;
-    gather_chunk(wa, j, x.sel_lo, x.sel_hi, Xa, Xha);
-    gather_chunk(wb, j, x.sel_lo, x.sel_hi, Xb, Xhb);
-    block_mma<BITS, MODE, NT, false>(Xa, Xha, Xb, Xhb, sa[j], 0, sb[j], 0, x.frag + j * 32, x.frag_nt_stride,
-                                     nullptr, 0, x.t, kc, acc);
-  }
+  chunk_compute<BITS, MODE, NT, VEC>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
 }
 
 template <int BITS, QuantMode MODE, int NT, bool VEC, bool GROUP32>
@@ -277,6 +297,150 @@ __device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_
   }
 }
 
+// ---- the code ring: cp.async keeps a warp's next chunks in flight while it computes one ---------------------------
+// The first GPU run (H200) measured the loops above with L split across CTAs (the value GEMV) at 10-16 % of the fp16
+// read rate, although their instruction count allows the full rate: a step's loads went out only after the previous
+// step's MMAs had used their data, so a warp had one chunk (768 bytes at 3 bits) in flight, ~12 KB per SM against the
+// ~25-35 KB that DRAM latency x bandwidth asks for. With the ring, item i + kStages - 1 (16 rows x one chunk: the
+// codes as 16-byte pieces, each row's four G = 32 scales and zeros as one 8-byte piece) is copied while item i is
+// computed. Rows are padded so the 8 rows a warp's 16-byte shared loads touch at once fall in 8 distinct bank quads.
+// Needs 16-byte aligned code rows, G = 32 and 8-byte aligned scale / zero rows (ring_ok); the launcher falls back to
+// the register loads otherwise.
+__host__ __device__ constexpr int ring_stages(int bits) { return bits == 1 ? 6 : bits == 4 ? 3 : 4; }
+__host__ __device__ constexpr int ring_row_bytes(int bits) { return 16 * bits + (bits % 2 == 0 ? 16 : 0); }
+__host__ __device__ constexpr int ring_code_bytes(int bits) { return 16 * ring_row_bytes(bits); }
+__host__ __device__ constexpr int ring_slot_bytes(int bits, bool zeros) {
+  return ring_code_bytes(bits) + (zeros ? 256 : 128);  // + 16 rows x 8 bytes of scales (and of zeros)
+}
+__host__ __device__ constexpr int ring_warp_bytes(int bits, bool zeros) {
+  return ring_stages(bits) * ring_slot_bytes(bits, zeros);
+}
+
+// One warp's stream of n items through its ring: this lane's sources for the next item to copy (code pieces lane and
+// lane + 32 of the 16 x BITS pieces; lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16),
+// their offsets in a slot, and how far the sources move from one item to the next.
+template <int BITS, QuantMode MODE>
+struct RingStream {
+  static constexpr int kStages = ring_stages(BITS), kSlot = ring_slot_bytes(BITS, MODE != QuantMode::kSym);
+  const char* c0;
+  const char* c1;
+  const char* m;
+  int64_t dc, dm;
+  int o0, o1, om;
+  bool has0, has1, hasm;
+  char* ring;
+  int n;
+
+  // Copies item i (if it exists) into slot i % kStages, then commits a group (empty past the end), so that the
+  // consumer's wait_group counts stay the same in every iteration.
+  __device__ __forceinline__ void issue(int i) {
+    if (i < n) {
+      char* slot = ring + (i % kStages) * kSlot;
+      if (has0) cp_async16(smem_addr(slot + o0), c0);
+      if (has1) cp_async16(smem_addr(slot + o1), c1);
+      if (hasm) cp_async8(smem_addr(slot + om), m);
+      c0 += dc, c1 += dc, m += dm;
+    }
+    cp_async_commit();
+  }
+};
+
+// The stream of a tile whose row r (0..15) is row min(row0 + r, last) of the (b, h_kv) slice: codes c_bh (at the
+// first item's chunk), scales s_bh and zeros z_bh (at the first item's group); item k + 1 starts dc_bytes (codes),
+// ds_bytes (scales) and dz_bytes (zeros) after item k.
+template <int BITS, QuantMode MODE>
+__device__ __forceinline__ RingStream<BITS, MODE> ring_stream(char* ring, int n, int64_t row0, int64_t last,
+                                                              const uint32_t* c_bh, int64_t c_sm,
+                                                              const uint16_t* s_bh, int64_t s_sm,
+                                                              const uint16_t* z_bh, int64_t z_sm, int64_t dc_bytes,
+                                                              int64_t ds_bytes, int64_t dz_bytes, int lane) {
+  constexpr int kPieces = 16 * BITS;
+  RingStream<BITS, MODE> st;
+  st.ring = ring;
+  st.n = n;
+  const auto piece = [&](int pc, const char*& src, int& off) {
+    const int r = pc / BITS, k = pc - r * BITS;
+    src = reinterpret_cast<const char*>(c_bh + min(row0 + r, last) * c_sm) + 16 * k;
+    off = r * ring_row_bytes(BITS) + 16 * k;
+  };
+  st.has0 = lane < kPieces;
+  st.has1 = lane + 32 < kPieces;
+  st.c0 = st.c1 = nullptr;
+  st.o0 = st.o1 = 0;
+  if (st.has0) piece(lane, st.c0, st.o0);
+  if (st.has1) piece(lane + 32, st.c1, st.o1);
+  st.dc = dc_bytes;
+  const int64_t r = min(row0 + (lane & 15), last);
+  if (lane < 16) {
+    st.hasm = true;
+    st.m = reinterpret_cast<const char*>(s_bh + r * s_sm);
+    st.om = ring_code_bytes(BITS) + 8 * lane;
+    st.dm = ds_bytes;
+  } else {
+    st.hasm = MODE != QuantMode::kSym;
+    st.m = st.hasm ? reinterpret_cast<const char*>(z_bh + r * z_sm) : nullptr;
+    st.om = ring_code_bytes(BITS) + 128 + 8 * (lane - 16);
+    st.dm = dz_bytes;
+  }
+  return st;
+}
+
+// One item from its slot: the two rows' words (the register path's layouts: every word at 1-3 bits, word 4j + t of
+// block j at 4 bits), scales, zero pairs; then the step's arithmetic.
+template <int BITS, QuantMode MODE, int NT>
+__device__ __forceinline__ void ring_compute(const char* slot, int g, const ChunkCtx& x, const DecodeConsts& kc,
+                                             float (&acc)[NT][2], float (&zacc)[NT][4]) {
+  constexpr int kRow = ring_row_bytes(BITS), kCode = ring_code_bytes(BITS);
+  constexpr bool kWide = BITS != 4;
+  ChunkWords<BITS, kWide> wa, wb;
+  const char* ra = slot + g * kRow;
+  const char* rb = ra + 8 * kRow;
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int j = 0; j < kChunkBlocks; ++j) {
+      wa.w[j] = *reinterpret_cast<const uint32_t*>(ra + 4 * (4 * j + x.t));
+      wb.w[j] = *reinterpret_cast<const uint32_t*>(rb + 4 * (4 * j + x.t));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) {
+      const uint4 va = *reinterpret_cast<const uint4*>(ra + 16 * i);
+      const uint4 vb = *reinterpret_cast<const uint4*>(rb + 16 * i);
+      wa.w[4 * i] = va.x, wa.w[4 * i + 1] = va.y, wa.w[4 * i + 2] = va.z, wa.w[4 * i + 3] = va.w;
+      wb.w[4 * i] = vb.x, wb.w[4 * i + 1] = vb.y, wb.w[4 * i + 2] = vb.z, wb.w[4 * i + 3] = vb.w;
+    }
+  }
+  const uint2 sva = *reinterpret_cast<const uint2*>(slot + kCode + 8 * g);
+  const uint2 svb = *reinterpret_cast<const uint2*>(slot + kCode + 8 * (g + 8));
+  const uint16_t sa[kChunkBlocks] = {static_cast<uint16_t>(sva.x), static_cast<uint16_t>(sva.x >> 16),
+                                     static_cast<uint16_t>(sva.y), static_cast<uint16_t>(sva.y >> 16)};
+  const uint16_t sb[kChunkBlocks] = {static_cast<uint16_t>(svb.x), static_cast<uint16_t>(svb.x >> 16),
+                                     static_cast<uint16_t>(svb.y), static_cast<uint16_t>(svb.y >> 16)};
+  uint32_t za = 0, zb = 0;
+  if constexpr (MODE != QuantMode::kSym) {
+    za = *reinterpret_cast<const uint32_t*>(slot + kCode + 128 + 8 * g + 2 * x.jj);
+    zb = *reinterpret_cast<const uint32_t*>(slot + kCode + 128 + 8 * (g + 8) + 2 * x.jj);
+  }
+  chunk_compute<BITS, MODE, NT, kWide>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
+}
+
+// Runs a stream: consume(i, slot) for i < st.n, with kStages - 1 items in flight. Starts with a __syncwarp: a
+// previous stream of this warp may still be reading the slots this one's prologue refills.
+template <int BITS, QuantMode MODE, typename Consume>
+__device__ __forceinline__ void run_ring(RingStream<BITS, MODE>& st, const Consume& consume) {
+  constexpr int S = RingStream<BITS, MODE>::kStages;
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) st.issue(i);
+#pragma unroll 1
+  for (int i = 0; i < st.n; ++i) {
+    cp_async_wait<S - 2>();  // this lane's copies of item i have landed
+    __syncwarp();            // ... and every lane's; every lane is also done with item i - 1, whose slot refills now
+    st.issue(i + S - 1);
+    consume(i, st.ring + (i % S) * RingStream<BITS, MODE>::kSlot);
+  }
+}
+
 // Result of row g (i = 0) or g + 8 (i = 1) of the tile for n-tile nt: the fp32 sums plus the zero MMA's two columns.
 template <QuantMode MODE, int NT>
 __device__ __forceinline__ float tile_result(const float (&acc)[NT][2], const float (&zacc)[NT][4], int nt, int i) {
@@ -287,11 +451,18 @@ __device__ __forceinline__ float tile_result(const float (&acc)[NT][2], const fl
   }
 }
 
-template <int BITS, QuantMode MODE, int NT, bool VEC>
+// How a kernel reads its codes (the last template argument; plan_inner_q picks it).
+constexpr int kLoadWords = 0;  // 32-bit loads: rows not 16-byte aligned, or L shorter than a chunk
+constexpr int kLoadVec = 1;    // 16-byte loads into registers (bits 1-3): aligned rows, but no ring (G != 32, ...)
+constexpr int kLoadRing = 2;   // the cp.async ring (ring_ok)
+
+template <int BITS, QuantMode MODE, int NT, int LOADS>
 __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_kernel(const GemvInnerQParams p,
                                                                                       const InnerQLaunch k) {
   constexpr int QR = 4 * NT;  // query rows per pass
   constexpr bool kZeros = MODE != QuantMode::kSym;
+  constexpr bool VEC = LOADS == kLoadVec;
+  constexpr bool kRing = LOADS == kLoadRing;
   extern __shared__ __align__(16) float smem[];
 
   // 32-bit index math where the sizes allow: grid dims are < 2^31, 64-bit division would be a called subroutine
@@ -303,14 +474,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
   const int nchunks = len / kChunk;
   const uint32_t blk_abs0 = static_cast<uint32_t>(l0 / 32);  // absolute block index of the split's first block
 
-  uint4* xfrag = reinterpret_cast<uint4*>(smem);                             // [NT][nblk][32 lanes]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  const int g = lane >> 2, t = lane & 3;
+  // [nwarps][ring_warp_bytes] (kRing), then the query tile
+  char* ring = reinterpret_cast<char*>(smem) + warp * ring_warp_bytes(BITS, kZeros);
+  uint4* xfrag = reinterpret_cast<uint4*>(reinterpret_cast<char*>(smem) +
+                                          (kRing ? nwarps * ring_warp_bytes(BITS, kZeros) : 0));  // [NT][nblk][32]
   uint2* zfrag = reinterpret_cast<uint2*>(xfrag + NT * nblk * 32);           // [NT][nchunks][32] (zeros)
   float* xsum = reinterpret_cast<float*>(zfrag + (kZeros ? NT * nchunks * 32 : 0));  // [QR][nblk] (zeros)
   float* unscale = xsum + (kZeros ? QR * nblk : 0);                          // [QR] 2^-e per query row
   unsigned* amax = reinterpret_cast<unsigned*>(unscale + QR);                // [QR] float bits of max |xs|
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-  const int g = lane >> 2, t = lane & 3;
 
   const int64_t m_begin = static_cast<int64_t>(blockIdx.x) * k.rows_per_block;
   const int64_t m_end = min(p.M, m_begin + k.rows_per_block);
@@ -337,7 +511,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     stage_row_scales<QR>(xoff_of, xs_at, len, amax, unscale, 1.f, lane);
     // pass 2: B fragments. Warp task = (n-tile, block); lane (col = g, t) holds query row 4 nt + g / 2, part g & 1,
     // values 8t + i of the block as pairs (i, i + 4).
-#pragma unroll 1
+#pragma unroll 2  // two tasks' 8 loads each in flight together
     for (int task = warp; task < NT * nblk; task += nwarps) {
       const int nt = task / nblk, blk = task - nt * nblk;
       const int q = 4 * nt + (g >> 1);
@@ -425,7 +599,29 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
 
     // Keys (L = 4 blocks = one step per row, G = 32): the tile loop itself is the hot loop. Whole tiles only, with
     // pointers advanced by a fixed stride; a last partial tile goes to the general loop below.
-    if (nblk == kChunkBlocks && k.bpg == 1) {
+    if constexpr (kRing) {
+      if (nblk == kChunkBlocks) {  // the ring's item is a whole tile (kRing implies G = 32)
+      const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
+      const uint16_t* zg = kZeros ? z_bh - cx.jj : nullptr;  // the zeros' group base (z_bh is the thread's pair)
+      RingStream<BITS, MODE> st =
+          ring_stream<BITS, MODE>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
+                                  4 * step * p.c_sm, 2 * step * p.s_sm, 2 * step * p.z_sm, lane);
+      run_ring(st, [&](int, const char* slot) {
+        float acc[NT][2], zacc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+        ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (outq[nt] == nullptr) continue;
+          outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
+          outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
+        }
+        ma += step;
+      });
+      mt += n * nwarps;
+      }
+    } else if (nblk == kChunkBlocks && k.bpg == 1) {
       RowPair r = rows_at(ma, ma + 8);
       const int64_t dc = step * p.c_sm, ds = step * p.s_sm, dz = step * p.z_sm;
 #pragma unroll 1
@@ -458,7 +654,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       float acc[NT][2], zacc[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
-      if (k.bpg == 1) {
+      if constexpr (kRing) {
+        const uint16_t* zg = kZeros ? z_bh - cx.jj : nullptr;
+        RingStream<BITS, MODE> st = ring_stream<BITS, MODE>(ring, nchunks, ma - g, last, c_bh, p.c_sm, s_bh, p.s_sm,
+                                                            zg, p.z_sm, 16 * BITS, 8, 8, lane);
+        ChunkCtx x = cx;  // at the step's fragments, as chunk_loop advances them
+        run_ring(st, [&](int, const char* slot) {
+          ring_compute<BITS, MODE, NT>(slot, g, x, kc, acc, zacc);
+          x.frag += kChunkBlocks * 32;
+          x.zfrag += 32;
+        });
+      } else if (k.bpg == 1) {
         chunk_loop<BITS, MODE, NT, VEC, true>(r, nchunks, blk_abs0, k.bpg_magic, cx, kc, acc, zacc);
       } else {
         chunk_loop<BITS, MODE, NT, VEC, false>(r, nchunks, blk_abs0, k.bpg_magic, cx, kc, acc, zacc);
@@ -492,23 +698,23 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
 using InnerQKernel = void (*)(const GemvInnerQParams, const InnerQLaunch);
 
 template <int BITS, QuantMode MODE, int NT>
-InnerQKernel inner_q_kernel(bool vec) {
-  if constexpr (BITS == 4) {
-    return gemv_inner_q_kernel<4, MODE, NT, false>;  // reads one word per block and lane: no vector form
-  } else {
-    return vec ? gemv_inner_q_kernel<BITS, MODE, NT, true> : gemv_inner_q_kernel<BITS, MODE, NT, false>;
+InnerQKernel inner_q_kernel(int loads) {
+  if (loads == kLoadRing) return gemv_inner_q_kernel<BITS, MODE, NT, kLoadRing>;
+  if constexpr (BITS != 4) {  // 4 bits reads one word per block and lane: no register vector form
+    if (loads == kLoadVec) return gemv_inner_q_kernel<BITS, MODE, NT, kLoadVec>;
   }
+  return gemv_inner_q_kernel<BITS, MODE, NT, kLoadWords>;
 }
 
-cudaError_t select_inner_q_kernel(int bits, QuantMode mode, int nt, bool vec, InnerQKernel* fn) {
+cudaError_t select_inner_q_kernel(int bits, QuantMode mode, int nt, int loads, InnerQKernel* fn) {
   KVK_DISPATCH_BITS(bits, BITS, {
-    KVK_DISPATCH_MODE(mode, MODE, { KVK_DISPATCH_NTILES(nt, NT, { *fn = inner_q_kernel<BITS, MODE, NT>(vec); }) })
+    KVK_DISPATCH_MODE(mode, MODE, { KVK_DISPATCH_NTILES(nt, NT, { *fn = inner_q_kernel<BITS, MODE, NT>(loads); }) })
   })
   return cudaSuccess;
 }
 
 struct InnerQPlan {
-  bool vec;                  // 16-byte code loads (bits 1-3)
+  int loads;                 // kLoadWords / kLoadVec / kLoadRing
   int nt;                    // n-tiles: 4 query rows each
   int threads;               // 32 x warps
   int64_t t_chunk;           // query rows per head per launch
@@ -529,23 +735,38 @@ bool codes_aligned_16(const GemvInnerQParams& p) {
   return reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.M, p.c_sm);
 }
 
+// The ring copies each row's four scales (and zeros) of a chunk as one 8-byte piece: G = 32, and every scale / zero
+// row of every (b, h_kv) 8-byte aligned (chunks start at multiples of 4 groups).
+bool ring_ok(const GemvInnerQParams& p) {
+  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
+  const auto meta_ok = [&](const uint16_t* base, int64_t sb, int64_t sh, int64_t sm) {
+    return reinterpret_cast<uintptr_t>(base) % 8 == 0 && ok(p.B, sb) && ok(p.H_kv, sh) && ok(p.M, sm);
+  };
+  return p.L >= kChunk && p.group_size == 32 && codes_aligned_16(p) && meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sm) &&
+         (p.mode == QuantMode::kSym || meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sm));
+}
+
 InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   InnerQPlan pl{};
   const int64_t gq = p.H_q / p.H_kv;
   pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
   const int64_t qb = gq * pl.t_chunk;
   pl.nt = qb <= 4 ? 1 : 2;  // more query rows loop over 8-row passes in the CTA
-  pl.vec = p.bits != 4 && p.L >= kChunk && codes_aligned_16(p);
-  if (select_inner_q_kernel(p.bits, p.mode, pl.nt, pl.vec, &pl.fn) != cudaSuccess) {
+  pl.loads = ring_ok(p) && !gemv_ring_disabled() ? kLoadRing : p.bits != 4 && p.L >= kChunk && codes_aligned_16(p) ? kLoadVec : kLoadWords;
+  if (select_inner_q_kernel(p.bits, p.mode, pl.nt, pl.loads, &pl.fn) != cudaSuccess) {
     pl.error = "unsupported bits / mode";
     return pl;
   }
   const int64_t mt = ceil_div(std::max<int64_t>(p.M, 1), 16);  // 16-row tiles per (b, h_kv)
   const int warps = static_cast<int>(std::min<int64_t>(kMaxWarps, mt));
   pl.threads = 32 * warps;
+  // the ring's slots come first; the query tile gets the rest of the 48 KiB a CTA may use without an opt-in
+  const size_t ring_bytes =
+      pl.loads == kLoadRing ? static_cast<size_t>(warps) * ring_warp_bytes(p.bits, p.mode != QuantMode::kSym) : 0;
+  const size_t budget = pl.loads == kLoadRing ? kCtaSmem - ring_bytes : kSmemBudget;
   int occ = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), pl.threads,
-                                                    kSmemBudget) != cudaSuccess ||
+                                                    ring_bytes + budget) != cudaSuccess ||
       occ < 1)
     occ = 1;
   (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
@@ -555,8 +776,8 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
 
   // longest split the shared-memory budget allows (whole chunks), and the split from the wave rule
   int64_t max_len = kChunk;
-  while (stage_bytes(max_len + kChunk, pl.nt, p.mode) <= kSmemBudget) max_len += kChunk;
-  if (stage_bytes(std::min<int64_t>(p.L, max_len), pl.nt, p.mode) > kSmemBudget) {
+  while (stage_bytes(max_len + kChunk, pl.nt, p.mode) <= budget) max_len += kChunk;
+  if (stage_bytes(std::min<int64_t>(p.L, max_len), pl.nt, p.mode) > budget) {
     pl.error = "query tile too large for shared memory";
     return pl;
   }
@@ -581,7 +802,7 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
     tiles_per_warp *= 2;
   pl.rows_per_block = 16 * warps * tiles_per_warp;
   pl.row_blocks = ceil_div(std::max<int64_t>(p.M, 1), pl.rows_per_block);
-  pl.smem_bytes = stage_bytes(pl.split_len, pl.nt, p.mode);
+  pl.smem_bytes = ring_bytes + stage_bytes(pl.split_len, pl.nt, p.mode);
   pl.workspace_floats = pl.num_splits > 1 ? pl.num_splits * p.B * p.H_q * pl.t_chunk * p.M : 0;
   if (pl.row_blocks > 0x7fffffff || pl.num_splits > 65535 || bh > 65535) pl.error = "grid too large";
   if (ceil_div(p.L, 32) * (p.group_size / 32) > 0xffffffffLL) pl.error = "L x group_size too large";
@@ -621,7 +842,9 @@ cudaError_t launch_combine_splits(const float* ws, int splits, int64_t B, int64_
   return cudaGetLastError();
 }
 
-bool gemv_inner_q_vector_loads(const GemvInnerQParams& p) { return plan_inner_q(p).vec; }
+bool gemv_inner_q_vector_loads(const GemvInnerQParams& p) { return plan_inner_q(p).loads != kLoadWords; }
+
+bool gemv_inner_q_ring(const GemvInnerQParams& p) { return plan_inner_q(p).loads == kLoadRing; }
 
 int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p) {
   if (p.B * p.H_q * p.T * p.M == 0 || p.L == 0) return 0;

@@ -40,6 +40,10 @@ inline bool env_equals(const char* name, const char* value) {
 // split-K summation order.
 inline bool gemv_planner_v1() { return env_equals("KVKERNELS_GEMV_PLANNER", "v1"); }
 
+// KVKERNELS_GEMV_RING=0: gemv_inner_q reads codes into registers one step at a time (16-byte loads where aligned),
+// as before its cp.async ring, so a benchmark can time the ring against them on one machine. Same results.
+inline bool gemv_ring_disabled() { return env_equals("KVKERNELS_GEMV_RING", "0"); }
+
 // ---------------------------------------------------------------------------------------------------------
 // gemv_inner_q:  y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes[b, h_kv, m, l])
 // with groups of G along l; h_kv = h / (H_q / H_kv).
@@ -74,8 +78,10 @@ struct GemvInnerQParams {
 
 // fp32 workspace the launcher needs (0 when no split-K is planned). Deterministic in the params.
 int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p);
-// Whether launch_gemv_inner_q will read codes with 16-byte loads for these params (tests and diagnostics).
+// Whether launch_gemv_inner_q will read codes with 16-byte loads (to registers, or through its cp.async ring) for
+// these params, and whether through the ring (16-byte aligned code rows, G = 32, 8-byte aligned scale / zero rows).
 bool gemv_inner_q_vector_loads(const GemvInnerQParams& p);
+bool gemv_inner_q_ring(const GemvInnerQParams& p);
 cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------

@@ -123,17 +123,28 @@ __device__ __forceinline__ float warp_max(float v) {
 // their bits: one atomicMax per warp, order-independent; NaN propagates), then unscale[q] = 2^-e * unscale_mul.
 // amax must be zeroed, and that write visible (a barrier), before the call; ends with unscale written (the caller
 // synchronizes before reading it, as it does before reading its fragments).
+// The rows are the inner loop: a thread has QR independent loads in flight per step instead of one. (The first GPU
+// run measured the split-L GEMVs' CTAs as latency-bound; this pass walked one row at a time, a dependent round trip
+// per len / blockDim elements of each row.)
 template <int QR, typename XOffOf, typename Value>
 __device__ __forceinline__ void stage_row_scales(const XOffOf& xoff_of, const Value& value, int len, unsigned* amax,
                                                  float* unscale, float unscale_mul, int lane) {
+  int64_t xoff[QR];
+  float m[QR];
+#pragma unroll
+  for (int q = 0; q < QR; ++q) xoff[q] = xoff_of(q), m[q] = 0.f;
 #pragma unroll 1
+  for (int l = threadIdx.x; l < len; l += blockDim.x) {
+    float v[QR];
+#pragma unroll
+    for (int q = 0; q < QR; ++q) v[q] = xoff[q] >= 0 ? value(xoff[q], l) : 0.f;
+#pragma unroll
+    for (int q = 0; q < QR; ++q) m[q] = nan_max(m[q], fabsf(v[q]));
+  }
+#pragma unroll
   for (int q = 0; q < QR; ++q) {
-    const int64_t xoff = xoff_of(q);
-    float m = 0.f;
-    if (xoff >= 0)
-      for (int l = threadIdx.x; l < len; l += blockDim.x) m = nan_max(m, fabsf(value(xoff, l)));
-    m = warp_max(m);
-    if (lane == 0) atomicMax(amax + q, __float_as_uint(m));
+    const float r = warp_max(m[q]);
+    if (lane == 0) atomicMax(amax + q, __float_as_uint(r));
   }
   __syncthreads();
   if (threadIdx.x < QR) unscale[threadIdx.x] = exp2i(-scale_exponent(__uint_as_float(amax[threadIdx.x]))) * unscale_mul;
@@ -147,7 +158,7 @@ __device__ __forceinline__ void stage_fragments_k16(const XOffOf& xoff_of, const
                                                     int nks, const unsigned* amax, uint2* xfrag, int warp, int nwarps,
                                                     int lane) {
   const int g = lane >> 2, t = lane & 3;
-#pragma unroll 1
+#pragma unroll 2  // two tasks' loads in flight together
   for (int task = warp; task < ntiles * nks; task += nwarps) {
     const int nt = task / nks, ks = task - nt * nks;
     const int q = 4 * nt + (g >> 1);

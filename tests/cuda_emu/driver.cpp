@@ -45,16 +45,24 @@ static void store_x(void* base, XDtype dt, int64_t i, float v, float& exact) {
 }
 static size_t xsize(XDtype dt) { return dt == XDtype::kF32 ? 4 : 2; }
 
+// Scale / zero rows of the inner_q cases: -1 (default) padded by 3 and starting 1 / 2 halves into their buffers (no
+// 8-byte aligned row: the register-load paths); else rounded up to 4 halves plus this many, starting at the buffers'
+// (16-byte aligned) starts: 8-byte aligned rows at a multiple of 4, the cp.async ring's requirement with 16-byte
+// aligned code rows and G = 32.
+static int g_meta_pad = -1;
+
 void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t M, int64_t L, int bits, int G,
                   QuantMode mode, XDtype dt, bool xscale, int cpad, int coff, int xpad, int num_sms, bool null_zeros,
-                  int expect_vec = -1) {
+                  int expect_vec = -1, int expect_ring = -1) {
   const int64_t W = L * bits / 32, NG = L / G;
-  // codes [B,H_kv,M, W+cpad] starting at coff; scales/zeros [B,H_kv,M,NG+3] at 1
+  // codes [B,H_kv,M, W+cpad] starting at coff; scales/zeros [B,H_kv,M,NG+pad] at 1 / 2 (or 0 / 0, g_meta_pad)
   const int64_t c_sm = W + cpad, c_sh = M * c_sm, c_sb = H_kv * c_sh;
   Buf<uint32_t> codes(B * c_sb + coff);
   for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
-  const int64_t s_sm = NG + 3, s_sh = M * s_sm, s_sb = H_kv * s_sh;
-  Buf<uint16_t> sc(B * s_sb + 1), ze(B * s_sb + 2);
+  const bool legacy_meta = g_meta_pad < 0;
+  const int64_t s_sm = legacy_meta ? NG + 3 : (NG + 3) / 4 * 4 + g_meta_pad, s_sh = M * s_sm, s_sb = H_kv * s_sh;
+  const int s_off = legacy_meta ? 1 : 0, z_off = legacy_meta ? 2 : 0;
+  Buf<uint16_t> sc(B * s_sb + s_off), ze(B * s_sb + z_off);
   for (size_t i = 0; i < sc.n; ++i) {
     float s = std::fabs(frand()) * 0.1f;
     uint16_t b = hbits(s);
@@ -75,7 +83,7 @@ void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, i
   for (size_t i = 0; i < y.n; ++i) y.p[i] = NAN;
 
   GemvInnerQParams p{};
-  p.x = xb; p.codes = codes.p + coff; p.scales = sc.p + 1; p.zeros = null_zeros ? nullptr : ze.p + 2;
+  p.x = xb; p.codes = codes.p + coff; p.scales = sc.p + s_off; p.zeros = null_zeros ? nullptr : ze.p + z_off;
   p.x_scale = xscale ? xsc.p : nullptr; p.y = y.p;
   p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.M = M; p.L = L; p.bits = bits; p.group_size = G; p.mode = mode;
   p.x_dtype = dt; p.num_sms = num_sms;
@@ -88,6 +96,11 @@ void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, i
   const bool vec = gemv_inner_q_vector_loads(p);
   if (expect_vec >= 0 && vec != (expect_vec != 0)) {
     printf("inner_q: vector loads %d, expected %d\n", (int)vec, expect_vec);
+    res.cases++; res.fails++; return;
+  }
+  const bool ring = gemv_inner_q_ring(p);
+  if (expect_ring >= 0 && ring != (expect_ring != 0)) {
+    printf("inner_q: cp.async ring %d, expected %d\n", (int)ring, expect_ring);
     res.cases++; res.fails++; return;
   }
   int64_t wsf = gemv_inner_q_workspace_floats(p);
@@ -120,8 +133,9 @@ void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, i
     maxex = std::max(maxex, ex);
   }
   if (bad) res.fails++;
-  printf("inner_q B%ld Hq%ld Hkv%ld T%ld%s M%ld L%ld b%d G%d mode%d dt%d xs%d cpad%d coff%d sms%d : %s (bad %ld)\n", B, H_q, H_kv, T,
-         has_t ? "" : "(3d)", M, L, bits, G, (int)mode, (int)dt, xscale, cpad, coff, num_sms, bad ? "FAIL" : "ok", bad);
+  printf("inner_q B%ld Hq%ld Hkv%ld T%ld%s M%ld L%ld b%d G%d mode%d dt%d xs%d cpad%d coff%d sms%d %s: %s (bad %ld)\n", B, H_q, H_kv, T,
+         has_t ? "" : "(3d)", M, L, bits, G, (int)mode, (int)dt, xscale, cpad, coff, num_sms,
+         ring ? "ring" : vec ? "vec" : "words", bad ? "FAIL" : "ok", bad);
 }
 
 void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t R, int64_t C, int bits, int G,
@@ -1014,6 +1028,30 @@ int main(int argc, char** argv) {
     // no whole chunk (L = 96 < 128 at 3 bits), or rows not 16-byte aligned: 32-bit loads throughout
     inner_q_case(1, 4, 2, 1, false, 33, 96, 3, 32, QuantMode::kSym, XDtype::kF16, false, 1, 0, 0, 8, false, 0);
     inner_q_case(1, 4, 2, 1, false, 33, 1056, 3, 32, QuantMode::kSym, XDtype::kF16, false, 2, 0, 0, 8, false, 0);
+    // the cp.async ring (8-byte aligned scale / zero rows, G = 32, 16-byte aligned code rows), every bits x mode:
+    // keys (L = 128: the tile stream, many tiles per warp, a partial last tile), values (split L: the chunk stream,
+    // rows past M clamped, a len % 128 tail), 8 query rows (two n-tiles); then each requirement missed once
+    g_meta_pad = 4;
+    for (int bits = 1; bits <= 4; ++bits)
+      for (int mode = 0; mode < 3; ++mode) {
+        const QuantMode qm = static_cast<QuantMode>(mode);
+        inner_q_case(1, 8, 2, 1, false, 300, 128, bits, 32, qm, XDtype::kF16, false, 0, 0, 0, 1, false, 1, 1);
+        inner_q_case(2, 4, 1, 1, true, 37, 2080, bits, 32, qm, (XDtype)(mode % 3), mode == 1, (4 - 65 * bits % 4) % 4,
+                     0, 0, 16, false, 1, 1);
+        inner_q_case(1, 16, 2, 1, true, 24, 1024, bits, 32, qm, XDtype::kBF16, false, 0, 0, 3, 8, false, 1, 1);
+      }
+    inner_q_case(1, 8, 2, 3, true, 130, 2048, 3, 32, QuantMode::kHybrid, XDtype::kF32, true, 4, 0, 0, 32, false, 1, 1);
+    setenv("KVKERNELS_GEMV_PLANNER", "v1", 1);
+    inner_q_case(1, 8, 2, 3, true, 130, 2048, 2, 32, QuantMode::kAsym, XDtype::kF32, true, 4, 0, 0, 32, false, 1, 1);
+    unsetenv("KVKERNELS_GEMV_PLANNER");
+    setenv("KVKERNELS_GEMV_RING", "0", 1);  // the benchmark switch: the same store through the register loads
+    inner_q_case(1, 8, 2, 3, true, 130, 2048, 3, 32, QuantMode::kHybrid, XDtype::kF32, true, 4, 0, 0, 32, false, 1, 0);
+    unsetenv("KVKERNELS_GEMV_RING");
+    inner_q_case(1, 4, 1, 1, true, 40, 1024, 3, 64, QuantMode::kSym, XDtype::kF16, false, 0, 0, 0, 8, false, 1, 0);
+    inner_q_case(1, 4, 1, 1, true, 40, 1024, 3, 32, QuantMode::kSym, XDtype::kF16, false, 1, 0, 0, 8, false, 0, 0);
+    g_meta_pad = 2;  // rows 4-byte aligned only
+    inner_q_case(1, 4, 1, 1, true, 40, 1024, 2, 32, QuantMode::kAsym, XDtype::kF16, false, 0, 0, 0, 8, false, 1, 0);
+    g_meta_pad = -1;
   }
   if (which == "kivi" || which == "all") {
     for (int bits = 1; bits <= 4; ++bits) kivi_case(1, 4, 2, 1, false, 37, 128, bits, 32, (XDtype)(bits % 3), 0, 0, 8);

@@ -161,6 +161,29 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const char* addr) {
   w.bar->arrive_and_wait();
   for (int j = 0; j < 4; ++j) r[j] = out[j];
 }
+// cp.async (csrc/kvkernels/async_copy.cuh): each copy is recorded, not done; commit closes the thread's group and
+// cp_async_wait(n) performs the thread's oldest groups until n remain. So data arrives at the wait that covers it,
+// never earlier: a read of a stage before its wait (or, for another lane's copy, before that lane's wait and a
+// barrier) sees the stale bytes that were there.
+struct AsyncCopy { char* dst; const char* src; unsigned bytes, size; };
+inline thread_local std::vector<AsyncCopy> t_async_open;
+inline thread_local std::vector<std::vector<AsyncCopy>> t_async_groups;
+inline void cp_async(char* dst, const void* src, unsigned bytes, unsigned size) {
+  t_async_open.push_back({dst, static_cast<const char*>(src), bytes, size});
+}
+inline void cp_async_commit() {
+  t_async_groups.push_back(std::move(t_async_open));
+  t_async_open.clear();
+}
+inline void cp_async_wait(int n) {
+  while (static_cast<int>(t_async_groups.size()) > n) {
+    for (const AsyncCopy& c : t_async_groups.front()) {
+      if (c.bytes) std::memcpy(c.dst, c.src, c.bytes);
+      std::memset(c.dst + c.bytes, 0, c.size - c.bytes);
+    }
+    t_async_groups.erase(t_async_groups.begin());
+  }
+}
 inline unsigned atomic_max_u32(unsigned* p, unsigned v) {
   unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
