@@ -131,8 +131,13 @@ def test_spec_and_bytes_of_the_gemv_names():
     assert (w.vec, w.ring) == (False, False)
     # 16 rows x 4 blocks x (12 code bytes + one fp16 scale)
     assert sb.bytes_per_iteration(s) == 16 * 4 * (12 + 2)
-    k = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<2, 1, 16, false>(...)")
-    assert (k.family, k.bits, k.cpl, k.query_rows) == ("kivi", 2, 16, 4)
+    k = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<2, 1, 16, 0>(...)")
+    assert (k.family, k.bits, k.cpl, k.query_rows, k.vec, k.ring) == ("kivi", 2, 16, 4, False, False)
+    kr = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<1, 2, 16, 2>(...)")
+    assert (kr.bits, kr.query_rows, kr.vec, kr.ring) == (1, 8, True, True)
+    # the presets' rows: the ring at 16 columns per lane, the register loads at 8 (head_dim 64 values)
+    assert sb.is_preset(kr, "90") and not sb.is_preset(k, "90")
+    assert sb.is_preset(sb.spec_of("gemv_kivi_kernel<2, 1, 8, 0>"), "90")
     # 16 rows x 128 columns x 2 bits + 4 groups x (scale + zero) per row
     assert sb.bytes_per_iteration(k) == 16 * (128 * 2 / 8 + 4 * 4)
 

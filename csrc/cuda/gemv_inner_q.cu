@@ -21,16 +21,16 @@
 //
 // Planning (plan_inner_q, a pure function of the params and the device's occupancy, so the binding sizes the
 // workspace with the rule the launcher uses): one wave = resident CTAs per SM x SMs. With the ring, its slots and
-// the query tile share the 48 KiB a CTA may use without an opt-in (the tile gets what the ring leaves). Keys (M = tokens) get row
-// blocks; values (M = head_dim, L = tokens) split L into whole 128-value chunks only while (B x H_kv x row blocks)
-// is below one wave, and combine_splits sums the splits in a fixed order (deterministic).
+// the query tile share the 48 KiB a CTA may use without an opt-in (the tile gets what the ring leaves). Keys
+// (M = tokens) get row blocks; values (M = head_dim, L = tokens) split L into whole 128-value chunks only while
+// (B x H_kv x row blocks) is below one wave, and combine_splits sums the splits in a fixed order (deterministic).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 
-#include "kvkernels/async_copy.cuh"
+#include "kvkernels/code_ring.cuh"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/mma.cuh"
 
@@ -297,24 +297,13 @@ __device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_
   }
 }
 
-// ---- the code ring: cp.async keeps a warp's next chunks in flight while it computes one ---------------------------
+// ---- the code ring (kvkernels/code_ring.cuh): cp.async keeps a warp's next chunks in flight ---------------------
 // The first GPU run (H200) measured the loops above with L split across CTAs (the value GEMV) at 10-16 % of the fp16
 // read rate, although their instruction count allows the full rate: a step's loads went out only after the previous
-// step's MMAs had used their data, so a warp had one chunk (768 bytes at 3 bits) in flight, ~12 KB per SM against the
-// ~25-35 KB that DRAM latency x bandwidth asks for. With the ring, item i + kStages - 1 (16 rows x one chunk: the
-// codes as 16-byte pieces, each row's four G = 32 scales and zeros as one 8-byte piece) is copied while item i is
-// computed. Rows are padded so the 8 rows a warp's 16-byte shared loads touch at once fall in 8 distinct bank quads.
+// step's MMAs had used their data, so a warp had one chunk (768 bytes at 3 bits) in flight. The ring's item is 16
+// rows x one chunk; a thread reads its rows g and g + 8 whole from the slot (conflict-free with the padded rows).
 // Needs 16-byte aligned code rows, G = 32 and 8-byte aligned scale / zero rows (ring_ok); the launcher falls back to
 // the register loads otherwise.
-__host__ __device__ constexpr int ring_stages(int bits) { return bits == 1 ? 6 : bits == 4 ? 3 : 4; }
-__host__ __device__ constexpr int ring_row_bytes(int bits) { return 16 * bits + (bits % 2 == 0 ? 16 : 0); }
-__host__ __device__ constexpr int ring_code_bytes(int bits) { return 16 * ring_row_bytes(bits); }
-__host__ __device__ constexpr int ring_slot_bytes(int bits, bool zeros) {
-  return ring_code_bytes(bits) + (zeros ? 256 : 128);  // + 16 rows x 8 bytes of scales (and of zeros)
-}
-__host__ __device__ constexpr int ring_warp_bytes(int bits, bool zeros) {
-  return ring_stages(bits) * ring_slot_bytes(bits, zeros);
-}
 
 // One warp's stream of n items through its ring: this lane's sources for the next item to copy (code pieces lane and
 // lane + 32 of the 16 x BITS pieces; lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16),
@@ -331,11 +320,9 @@ struct RingStream {
   char* ring;
   int n;
 
-  // Copies item i (if it exists) into slot i % kStages, then commits a group (empty past the end), so that the
-  // consumer's wait_group counts stay the same in every iteration.
-  __device__ __forceinline__ void issue(int i) {
+  // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
+  __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
-      char* slot = ring + (i % kStages) * kSlot;
       if (has0) cp_async16(smem_addr(slot + o0), c0);
       if (has1) cp_async16(smem_addr(slot + o1), c1);
       if (hasm) cp_async8(smem_addr(slot + om), m);
@@ -424,23 +411,6 @@ __device__ __forceinline__ void ring_compute(const char* slot, int g, const Chun
   chunk_compute<BITS, MODE, NT, kWide>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
 }
 
-// Runs a stream: consume(i, slot) for i < st.n, with kStages - 1 items in flight. Starts with a __syncwarp: a
-// previous stream of this warp may still be reading the slots this one's prologue refills.
-template <int BITS, QuantMode MODE, typename Consume>
-__device__ __forceinline__ void run_ring(RingStream<BITS, MODE>& st, const Consume& consume) {
-  constexpr int S = RingStream<BITS, MODE>::kStages;
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < S - 1; ++i) st.issue(i);
-#pragma unroll 1
-  for (int i = 0; i < st.n; ++i) {
-    cp_async_wait<S - 2>();  // this lane's copies of item i have landed
-    __syncwarp();            // ... and every lane's; every lane is also done with item i - 1, whose slot refills now
-    st.issue(i + S - 1);
-    consume(i, st.ring + (i % S) * RingStream<BITS, MODE>::kSlot);
-  }
-}
-
 // Result of row g (i = 0) or g + 8 (i = 1) of the tile for n-tile nt: the fp32 sums plus the zero MMA's two columns.
 template <QuantMode MODE, int NT>
 __device__ __forceinline__ float tile_result(const float (&acc)[NT][2], const float (&zacc)[NT][4], int nt, int i) {
@@ -451,10 +421,25 @@ __device__ __forceinline__ float tile_result(const float (&acc)[NT][2], const fl
   }
 }
 
-// How a kernel reads its codes (the last template argument; plan_inner_q picks it).
-constexpr int kLoadWords = 0;  // 32-bit loads: rows not 16-byte aligned, or L shorter than a chunk
-constexpr int kLoadVec = 1;    // 16-byte loads into registers (bits 1-3): aligned rows, but no ring (G != 32, ...)
-constexpr int kLoadRing = 2;   // the cp.async ring (ring_ok)
+template <int NT>
+__device__ __forceinline__ void zero_tile(float (&acc)[NT][2], float (&zacc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+}
+
+// Epilogue of a tile: thread (g, t) writes rows ma = g (if store_a) and ma + 8 (if store_b) for query row 4 nt + t of
+// each n-tile (outq[nt] null: past the last query row), unscaled.
+template <QuantMode MODE, int NT>
+__device__ __forceinline__ void store_tile(float* const (&outq)[NT], const float (&usq)[NT], int64_t ma,
+                                           const float (&acc)[NT][2], const float (&zacc)[NT][4], bool store_a,
+                                           bool store_b) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if (outq[nt] == nullptr) continue;
+    if (store_a) outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
+    if (store_b) outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
+  }
+}
 
 template <int BITS, QuantMode MODE, int NT, int LOADS>
 __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_kernel(const GemvInnerQParams p,
@@ -593,6 +578,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       r.z[1] = kZeros ? z_bh + rb * p.z_sm : nullptr;
       return r;
     };
+    const uint16_t* zg = kZeros ? z_bh - cx.jj : nullptr;  // the ring's zero rows: the group base (z_bh is the pair)
     const int64_t step = 16 * nwarps;
     int mt = warp;
     int64_t ma = m_begin + 16 * warp + g;  // row g of the warp's current tile
@@ -602,21 +588,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     if constexpr (kRing) {
       if (nblk == kChunkBlocks) {  // the ring's item is a whole tile (kRing implies G = 32)
       const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
-      const uint16_t* zg = kZeros ? z_bh - cx.jj : nullptr;  // the zeros' group base (z_bh is the thread's pair)
       RingStream<BITS, MODE> st =
           ring_stream<BITS, MODE>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
                                   4 * step * p.c_sm, 2 * step * p.s_sm, 2 * step * p.z_sm, lane);
       run_ring(st, [&](int, const char* slot) {
         float acc[NT][2], zacc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+        zero_tile(acc, zacc);
         ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (outq[nt] == nullptr) continue;
-          outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
-          outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
-        }
+        store_tile<MODE, NT>(outq, usq, ma, acc, zacc, true, true);
         ma += step;
       });
       mt += n * nwarps;
@@ -627,15 +606,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
 #pragma unroll 1
       for (; mt < full_tiles; mt += nwarps, ma += step) {
         float acc[NT][2], zacc[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+        zero_tile(acc, zacc);
         chunk_step<BITS, MODE, NT, VEC, true>(r, blk_abs0, 0u, cx, kc, acc, zacc);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (outq[nt] == nullptr) continue;
-          outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
-          outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
-        }
+        store_tile<MODE, NT>(outq, usq, ma, acc, zacc, true, true);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           r.c[i] += dc;
@@ -652,10 +625,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       const bool ok_a = ma < m_end, ok_b = ma + 8 < m_end;
       const RowPair r = rows_at(ok_a ? ma : last, ok_b ? ma + 8 : last);
       float acc[NT][2], zacc[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
+      zero_tile(acc, zacc);
       if constexpr (kRing) {
-        const uint16_t* zg = kZeros ? z_bh - cx.jj : nullptr;
         RingStream<BITS, MODE> st = ring_stream<BITS, MODE>(ring, nchunks, ma - g, last, c_bh, p.c_sm, s_bh, p.s_sm,
                                                             zg, p.z_sm, 16 * BITS, 8, 8, lane);
         ChunkCtx x = cx;  // at the step's fragments, as chunk_loop advances them
@@ -684,12 +655,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
                                         cx.frag + blk * 32, nblk * 32, xsum + blk, nblk, t, kc, acc);
       }
       // epilogue: thread (g, t) holds rows g and g + 8 of the tile for query row 4 nt + t of each n-tile
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (outq[nt] == nullptr) continue;
-        if (ok_a) outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
-        if (ok_b) outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
-      }
+      store_tile<MODE, NT>(outq, usq, ma, acc, zacc, ok_a, ok_b);
     }
   }
 }

@@ -19,10 +19,17 @@
 // and sum the slices in shared memory in a fixed order, and split R across CTAs only while the grid is below one
 // wave (combine_splits then sums the splits in a fixed order). Planning is a pure function of the params and the
 // device's occupancy (plan_kivi), shared with the binding's workspace sizing.
+//
+// A k-step's codes, scales and zeros reach the registers in one of two ways. With 16 columns per lane, G = 32,
+// 16-byte aligned code rows and 8-byte aligned scale / zero rows (what the caches allocate: kivi_ring_ok), a per-warp
+// cp.async ring (kvkernels/code_ring.cuh) keeps the warp's next 2-5 k-steps in flight while it computes one; else
+// each thread loads its rows' words straight into registers, one k-step at a time (the first GPU run measured that
+// form at 10-28 % of the fp16 read rate on split R: one k-step in flight per warp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
+#include "kvkernels/code_ring.cuh"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/mma.cuh"
 
@@ -31,6 +38,7 @@ namespace {
 
 constexpr int kWarps = 8;                 // 256 threads
 constexpr int kSmemBudget = 40 * 1024;    // staged query tile or the row lanes' partial sums
+constexpr size_t kCtaSmem = 48 * 1024;    // with the code ring: ring + query tile (no opt-in attribute)
 // Shortest split when splitting R (values: tokens) to fill a wave. Was 512: the first GPU run (H200) measured the
 // KIVI value GEMV at 13.5-16 us from 512 to 8k tokens at batch 1, on 8-128 CTAs (gemv_inner_q's kMinSplitValues).
 constexpr int64_t kMinSplitRows = 256;
@@ -171,12 +179,157 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t X, uint32_t Xh, int cc,
   return hfma2(u, s2, z2);
 }
 
-template <int BITS, int NT, int CPL, bool VEC>
+// ---- one k-step's arithmetic -------------------------------------------------------------------------------------
+// Rows 4t .. 4t + 3 of the lane's columns (codes lc, scales s, zeros z) against the step's B fragments (frag: n-tile
+// 0, the next n-tile frag_nt_stride further), accumulated into d.
+template <int BITS, int NT, int CPL>
+__device__ __forceinline__ void kstep_compute(const LaneCodes<BITS, CPL> (&lc)[4], const uint16_t (&s)[4],
+                                              const uint16_t (&z)[4], const uint2* __restrict__ frag,
+                                              int frag_nt_stride, const LaneSel& ls, const KiviConsts& dec,
+                                              float (&d)[CPL / 2][NT][4]) {
+  const uint32_t s01 = pack_half2(s[0], s[1]), s23 = pack_half2(s[2], s[3]);
+  const uint32_t z01 = pack_half2(z[0], z[1]), z23 = pack_half2(z[2], z[3]);
+  uint2 B[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) B[nt] = frag[nt * frag_nt_stride];
+#pragma unroll
+  for (int i = 0; i < CPL / 2; ++i) {
+    uint32_t A[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // h = 0: column 2i (A row g), 1: column 2i + 1 (A row g + 8)
+      const int cc = 2 * i + h;
+      const uint32_t X01 = pair_word(lc[0], lc[1], cc, false, ls), X23 = pair_word(lc[2], lc[3], cc, false, ls);
+      const uint32_t H01 = BITS == 3 ? pair_word(lc[0], lc[1], cc, true, ls) : 0u;
+      const uint32_t H23 = BITS == 3 ? pair_word(lc[2], lc[3], cc, true, ls) : 0u;
+      A[h] = decode_pair<BITS>(X01, H01, cc, dec, s01, z01);      // rows 4t, 4t + 1
+      A[2 + h] = decode_pair<BITS>(X23, H23, cc, dec, s23, z23);  // rows 4t + 2, 4t + 3
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t Bn[2] = {B[nt].x, B[nt].y};
+      mma_m16n8k16(d[i][nt], A, Bn, d[i][nt]);
+    }
+  }
+}
+
+// ---- the code ring (kvkernels/code_ring.cuh) ----------------------------------------------------------------------
+// An item is one k-step of the warp: 16 rows x its 128 columns (16 x BITS bytes of codes per row, the row's 4 scales
+// and 4 zeros as 8 bytes each). Lanes copy code pieces lane and lane + 32 of the 16 x BITS (row pc / BITS, bytes
+// 16 (pc % BITS) ..), lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16. In the last
+// column tile of a store whose C is not a multiple of 128, a piece copies only its bytes before column C and
+// zero-fills the rest (a piece wholly past C reads nothing): those columns decode to 0 and are never stored.
+template <int BITS>
+struct KiviRingStream {
+  static constexpr int kStages = ring_stages(BITS), kSlot = ring_slot_bytes(BITS, true);
+  const char* c0;
+  const char* c1;
+  const char* m;
+  int dc, dm;                // bytes from one item's sources to the next's (16 x row lanes rows; < 2^31: kivi_ring_ok)
+  int o0, o1, om;            // offsets in a slot
+  uint32_t n0, n1, nm;       // bytes to read of each piece (16 / 8 in a whole column tile)
+  bool has0, has1;
+  char* ring;
+  int n;
+
+  __device__ __forceinline__ void issue(int i, char* slot) {
+    if (i < n) {
+      if (has0) cp_async16_zfill(smem_addr(slot + o0), c0, n0);
+      if (has1) cp_async16_zfill(smem_addr(slot + o1), c1, n1);
+      cp_async8_zfill(smem_addr(slot + om), m, nm);
+      c0 += dc, c1 += dc, m += dm;
+    }
+    cp_async_commit();
+  }
+};
+
+// The stream of n k-steps whose first has rows row0 .. row0 + 15 (all within the split); c_tile, s_tile, z_tile: row 0
+// of the (b, h_kv) slice at the warp's first column; cols: columns of the tile before C (1 .. 128, a multiple of 32).
+template <int BITS>
+__device__ __forceinline__ KiviRingStream<BITS> kivi_ring_stream(char* ring, int n, int64_t row0, int rw,
+                                                                 const uint32_t* c_tile, int64_t c_sr,
+                                                                 const uint16_t* s_tile, int64_t s_sr,
+                                                                 const uint16_t* z_tile, int64_t z_sr, int cols,
+                                                                 int lane) {
+  constexpr int kPieces = 16 * BITS;
+  KiviRingStream<BITS> st;
+  st.ring = ring;
+  st.n = n;
+  const int valid = cols * BITS / 8;  // code bytes of a row before column C
+  const auto piece = [&](int pc, const char*& src, int& off, uint32_t& bytes) {
+    const int r = pc / BITS, kb = 16 * (pc - r * BITS);
+    const char* row = reinterpret_cast<const char*>(c_tile + (row0 + r) * c_sr);
+    bytes = static_cast<uint32_t>(min(max(valid - kb, 0), 16));
+    src = bytes > 0 ? row + kb : row;  // a piece past C reads nothing; its address stays inside the row
+    off = r * ring_row_bytes(BITS) + kb;
+  };
+  st.has0 = lane < kPieces;
+  st.has1 = lane + 32 < kPieces;
+  st.c0 = st.c1 = nullptr;
+  st.o0 = st.o1 = 0;
+  st.n0 = st.n1 = 0;
+  if (st.has0) piece(lane, st.c0, st.o0, st.n0);
+  if (st.has1) piece(lane + 32, st.c1, st.o1, st.n1);
+  st.dc = static_cast<int>(16 * rw * c_sr * 4);
+  const int64_t r = row0 + (lane & 15);
+  const bool scales = lane < 16;
+  st.m = reinterpret_cast<const char*>(scales ? s_tile + r * s_sr : z_tile + r * z_sr);
+  st.dm = static_cast<int>(16 * rw * (scales ? s_sr : z_sr) * 2);
+  st.om = ring_code_bytes(BITS) + (scales ? 0 : 128) + 8 * (lane & 15);
+  st.nm = static_cast<uint32_t>(2 * min(cols / 32, 4));
+  return st;
+}
+
+// Where a lane reads in a slot: row 4t's word(s) of the lane's columns and its scale of group g / 2 (zero 128 bytes
+// on); rows 4t + 1 .. 4t + 3 follow at fixed strides. Computed once per stream, so an item costs immediate offsets.
+struct KiviRingLane {
+  int code, hcode;  // bytes: the (low-plane) word, the high-plane word (3 bits)
+  int meta;
+};
+
+template <int BITS>
+__device__ __forceinline__ KiviRingLane kivi_ring_lane(int g, int t) {
+  const LaneSlot sl = lane_slot<BITS>(static_cast<int64_t>(g) * 16);  // words relative to the tile's first column
+  const int row = 4 * t * ring_row_bytes(BITS);
+  return {row + 4 * sl.word, row + 4 * sl.hword, ring_code_bytes(BITS) + 8 * 4 * t + 2 * (g >> 1)};
+}
+
+// The k-step in a slot: rows 4t .. 4t + 3 of the lane's words, scales and zeros; then the arithmetic. The 4 rows a
+// load instruction reads are 4 slot rows apart: a 2-way bank conflict, the least a 16-byte-multiple row pad allows
+// for this pattern.
+template <int BITS, int NT>
+__device__ __forceinline__ void kivi_ring_compute(const char* slot, const KiviRingLane& ln,
+                                                  const uint2* __restrict__ frag, int frag_nt_stride,
+                                                  const LaneSel& ls, const KiviConsts& dec, float (&d)[8][NT][4]) {
+  constexpr int kRow = ring_row_bytes(BITS);
+  LaneCodes<BITS, 16> lc[4];
+  uint16_t s[4], z[4];
+  const char* code = slot + ln.code;
+  const char* hcode = slot + ln.hcode;
+  const char* meta = slot + ln.meta;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (BITS == 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(code + j * kRow);
+      lc[j].w[0] = v.x, lc[j].w[1] = v.y;
+    } else {
+      lc[j].w[0] = *reinterpret_cast<const uint32_t*>(code + j * kRow);
+      lc[j].w[1] = BITS == 3 ? *reinterpret_cast<const uint32_t*>(hcode + j * kRow) : 0u;
+    }
+    s[j] = *reinterpret_cast<const uint16_t*>(meta + 8 * j);
+    z[j] = *reinterpret_cast<const uint16_t*>(meta + 128 + 8 * j);
+  }
+  kstep_compute<BITS, NT, 16>(lc, s, z, frag, frag_nt_stride, ls, dec, d);
+}
+
+template <int BITS, int NT, int CPL, int LOADS>
 __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(const GemvKiviParams p,
                                                                                 const KiviLaunch k) {
   constexpr int QR = 4 * NT;      // query rows per pass
   constexpr int MT = CPL / 2;     // m-tiles per warp
   constexpr int CT = 8 * CPL;     // columns per warp
+  constexpr bool VEC = LOADS == kLoadVec;
+  constexpr bool kRing = LOADS == kLoadRing;
+  static_assert(!kRing || CPL == 16, "the ring's item is 128 columns");
   extern __shared__ __align__(16) float smem[];
 
   const int H_kv = static_cast<int>(p.H_kv);
@@ -199,8 +352,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
 
   float* unscale = smem;                                               // [QR] 2^-e per query row
   unsigned* amax = reinterpret_cast<unsigned*>(smem + QR);             // [QR] float bits of max |x|
-  uint2* xfrag = reinterpret_cast<uint2*>(smem + 4 * NT * 2);          // [NT][nks][32 lanes] (8-byte aligned)
-  float* red = smem + 4 * NT * 2;                                      // [kWarps][QR][CT] after the main loop
+  char* body = reinterpret_cast<char*>(smem + 2 * QR);                 // 16-byte aligned (QR = 4 NT)
+  constexpr int kRingWarp = kRing ? ring_warp_bytes(BITS, true) : 0;
+  char* ring = body + warp * kRingWarp;                                // [kWarps][kRingWarp] (kRing)
+  uint2* xfrag = reinterpret_cast<uint2*>(body + kWarps * kRingWarp);  // [NT][nks][32 lanes]
+  float* red = reinterpret_cast<float*>(body);                         // [kWarps][QR][CT] after the main loop
 
   for (int q0 = 0; q0 < k.qb; q0 += QR) {
     // ---- stage the query tile (as gemv_inner_q: per-row scale 2^e, then hi / lo fragments) ---------------------------
@@ -259,35 +415,31 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
             s[j] = z[j] = 0;
           }
         }
-        const uint32_t s01 = pack_half2(s[0], s[1]), s23 = pack_half2(s[2], s[3]);
-        const uint32_t z01 = pack_half2(z[0], z[1]), z23 = pack_half2(z[2], z[3]);
-        uint2 B[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) B[nt] = frag[nt * nks * 32];
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          uint32_t A[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {  // h = 0: column 2i (A row g), 1: column 2i + 1 (A row g + 8)
-            const int cc = 2 * i + h;
-            const uint32_t X01 = pair_word(lc[0], lc[1], cc, false, ls), X23 = pair_word(lc[2], lc[3], cc, false, ls);
-            const uint32_t H01 = BITS == 3 ? pair_word(lc[0], lc[1], cc, true, ls) : 0u;
-            const uint32_t H23 = BITS == 3 ? pair_word(lc[2], lc[3], cc, true, ls) : 0u;
-            A[h] = decode_pair<BITS>(X01, H01, cc, k.dec, s01, z01);      // rows 4t, 4t + 1
-            A[2 + h] = decode_pair<BITS>(X23, H23, cc, k.dec, s23, z23);  // rows 4t + 2, 4t + 3
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t Bn[2] = {B[nt].x, B[nt].y};
-            mma_m16n8k16(d[i][nt], A, Bn, d[i][nt]);
-          }
-        }
+        kstep_compute<BITS, NT, CPL>(lc, s, z, frag, nks * 32, ls, k.dec, d);
       };
       int ks = rlane;
+      if constexpr (kRing) {  // the split's whole k-steps through the ring
+        const int n = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;
+        const int64_t c_off = c_warp * BITS / 32, g_off = c_warp / 32;  // the tile's first word and group
+        const uint32_t* c_tile = p.codes + b * p.c_sb + hkv * p.c_sh + c_off;
+        const uint16_t* s_tile = p.scales + b * p.s_sb + hkv * p.s_sh + g_off;
+        const uint16_t* z_tile = p.zeros + b * p.z_sb + hkv * p.z_sh + g_off;
+        const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
+        KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
+                                                         p.s_sr, z_tile, p.z_sr, cols, lane);
+        const KiviRingLane ln = kivi_ring_lane<BITS>(g, t);
+        run_ring(st, [&](int, const char* slot) {
+          kivi_ring_compute<BITS, NT>(slot, ln, frag, nks * 32, ls, k.dec, d);
+          frag += rw * 32;
+        });
+        ks += n * rw;
+        cr += n * c_step, ch += n * c_step, sr += n * s_step, zr += n * z_step;
+      } else {
 #pragma unroll 1
-      for (; ks < nfull; ks += rw) {
-        kstep(false, 16);
-        cr += c_step, ch += c_step, sr += s_step, zr += z_step, frag += rw * 32;
+        for (; ks < nfull; ks += rw) {
+          kstep(false, 16);
+          cr += c_step, ch += c_step, sr += s_step, zr += z_step, frag += rw * 32;
+        }
       }
       if (ks < nks) kstep(true, rlen - 16 * ks);  // the split's last, partial k-step
     }
@@ -325,20 +477,27 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
 // ---- kernel selection and planning -------------------------------------------------------------------------------
 using KiviKernel = void (*)(const GemvKiviParams, const KiviLaunch);
 
+// The ring variants: 16 columns per lane, except 3 bits at 8 query rows, whose ring loop spilled to local memory at the
+// 128-register cap (3 bits is no preset's KIVI width; it keeps the register loads there).
+__host__ __device__ constexpr bool kivi_has_ring(int bits, int nt) { return !(bits == 3 && nt == 2); }
+
 template <int BITS, int NT>
-KiviKernel kivi_kernel(int cpl, bool vec) {
-  if (cpl == 8) return gemv_kivi_kernel<BITS, NT, 8, false>;
-  if constexpr (BITS == 4) {  // the only width whose 16 columns span two words: one 8-byte load when aligned
-    if (vec) return gemv_kivi_kernel<4, NT, 16, true>;
+KiviKernel kivi_kernel(int cpl, int loads) {
+  if (cpl == 8) return gemv_kivi_kernel<BITS, NT, 8, kLoadWords>;
+  if constexpr (kivi_has_ring(BITS, NT)) {
+    if (loads == kLoadRing) return gemv_kivi_kernel<BITS, NT, 16, kLoadRing>;
   }
-  return gemv_kivi_kernel<BITS, NT, 16, false>;
+  if constexpr (BITS == 4) {  // the only width whose 16 columns span two words: one 8-byte load when aligned
+    if (loads == kLoadVec) return gemv_kivi_kernel<4, NT, 16, kLoadVec>;
+  }
+  return gemv_kivi_kernel<BITS, NT, 16, kLoadWords>;
 }
 
-cudaError_t select_kivi_kernel(int bits, int nt, int cpl, bool vec, KiviKernel* fn) {
+cudaError_t select_kivi_kernel(int bits, int nt, int cpl, int loads, KiviKernel* fn) {
   KVK_DISPATCH_BITS(bits, BITS, {
     switch (nt) {
-      case 1: *fn = kivi_kernel<BITS, 1>(cpl, vec); break;
-      case 2: *fn = kivi_kernel<BITS, 2>(cpl, vec); break;
+      case 1: *fn = kivi_kernel<BITS, 1>(cpl, loads); break;
+      case 2: *fn = kivi_kernel<BITS, 2>(cpl, loads); break;
       default:
         set_launch_error("gemv_kivi: unsupported n-tile count %d", nt);
         return cudaErrorInvalidValue;
@@ -349,7 +508,7 @@ cudaError_t select_kivi_kernel(int bits, int nt, int cpl, bool vec, KiviKernel* 
 
 struct KiviPlan {
   int nt, cpl, cw;           // n-tiles, columns per lane, column tiles per CTA
-  bool vec;                  // 8-byte code loads (4 bits, 16 columns per lane)
+  int loads;                 // kLoadWords / kLoadVec (8-byte code loads: 4 bits, 16 columns per lane) / kLoadRing
   int64_t t_chunk;           // query rows per head per launch
   int64_t col_blocks;        // CTAs along C
   int64_t split_len;         // rows per split
@@ -361,15 +520,32 @@ struct KiviPlan {
   const char* error;
 };
 
-size_t kivi_smem(int64_t rows, int nt, int ct) {
+// unscale and amax first, then (ring slots +) the staged query tile, or after the main loop the row lanes' sums
+size_t kivi_smem(int64_t rows, int nt, int ct, size_t ring_bytes) {
   const size_t stage = static_cast<size_t>(nt) * ceil_div(rows, 16) * 32 * 8;
   const size_t reduce = static_cast<size_t>(kWarps) * 4 * nt * ct * sizeof(float);
-  return 2 * 4 * nt * sizeof(float) + std::max(stage, reduce);  // unscale and amax first, then either
+  return 2 * 4 * nt * sizeof(float) + std::max(ring_bytes + stage, reduce);
 }
 
 bool codes_aligned_8(const GemvKiviParams& p) {
   const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 2 == 0; };
   return reinterpret_cast<uintptr_t>(p.codes) % 8 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.R, p.c_sr);
+}
+
+// The ring's pieces: 16-byte code rows (a column tile starts at a multiple of 16 x BITS bytes), and each row's four
+// G = 32 scales (zeros) of a tile as one 8-byte piece. The caches' stores meet this ("cols": capacity a multiple of
+// lcm(G, 128); "rows" at head_dim 128: 16 x BITS-byte rows). 64-column stores (cpl 8) keep the register loads.
+bool kivi_ring_ok(const GemvKiviParams& p, int cpl, int nt) {
+  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
+  const auto meta_ok = [&](const uint16_t* base, int64_t sb, int64_t sh, int64_t sr) {
+    return reinterpret_cast<uintptr_t>(base) % 8 == 0 && ok(p.B, sb) && ok(p.H_kv, sh) && ok(p.R, sr);
+  };
+  // a k-step of all row lanes is 128 rows: the sources move by 32-bit byte offsets
+  const bool strides_ok = 128 * std::max({4 * p.c_sr, 2 * p.s_sr, 2 * p.z_sr}) < (int64_t{1} << 31);
+  return cpl == 16 && kivi_has_ring(p.bits, nt) && p.group_size == 32 &&
+         reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.R, p.c_sr) &&
+         meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sr) && meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sr) && strides_ok &&
+         !gemv_ring_disabled();
 }
 
 KiviPlan plan_kivi(const GemvKiviParams& p) {
@@ -378,14 +554,19 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
   pl.nt = gq * pl.t_chunk <= 4 ? 1 : 2;
   pl.cpl = p.C <= 64 ? 8 : 16;  // 64-column stores (head_dim 64 values): one column tile, no idle lanes
-  pl.vec = p.bits == 4 && pl.cpl == 16 && codes_aligned_8(p);
-  if (select_kivi_kernel(p.bits, pl.nt, pl.cpl, pl.vec, &pl.fn) != cudaSuccess) {
+  pl.loads = kivi_ring_ok(p, pl.cpl, pl.nt)                          ? kLoadRing
+             : p.bits == 4 && pl.cpl == 16 && codes_aligned_8(p) ? kLoadVec
+                                                                 : kLoadWords;
+  if (select_kivi_kernel(p.bits, pl.nt, pl.cpl, pl.loads, &pl.fn) != cudaSuccess) {
     pl.error = "unsupported bits";
     return pl;
   }
+  // the ring's slots come first; the query tile gets the rest of the 48 KiB a CTA may use without an opt-in
+  const size_t ring_bytes = pl.loads == kLoadRing ? static_cast<size_t>(kWarps) * ring_warp_bytes(p.bits, true) : 0;
+  const size_t budget = pl.loads == kLoadRing ? kCtaSmem : kSmemBudget;
   int occ = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), kWarps * 32,
-                                                    kSmemBudget) != cudaSuccess ||
+                                                    budget) != cudaSuccess ||
       occ < 1)
     occ = 1;
   (void)cudaGetLastError();
@@ -401,7 +582,7 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   const int rw = kWarps / pl.cw;
   // rows per split: all of R if shared memory allows, else the longest multiple of 16 * rw that fits
   int64_t max_rows = 16 * rw;
-  while (kivi_smem(max_rows + 16 * rw, pl.nt, ct) <= kSmemBudget) max_rows += 16 * rw;
+  while (kivi_smem(max_rows + 16 * rw, pl.nt, ct, ring_bytes) <= budget) max_rows += 16 * rw;
   pl.split_len = p.R <= max_rows ? p.R : max_rows;
   const int64_t min_split = gemv_planner_v1() ? kMinSplitRowsV1 : kMinSplitRows;
   if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * min_split) {
@@ -410,8 +591,8 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
     if (len < pl.split_len) pl.split_len = len;
   }
   pl.num_splits = ceil_div(p.R, pl.split_len);
-  pl.smem_bytes = kivi_smem(pl.split_len, pl.nt, ct);
-  if (pl.smem_bytes > kSmemBudget) pl.error = "query tile too large for shared memory";
+  pl.smem_bytes = kivi_smem(pl.split_len, pl.nt, ct, ring_bytes);
+  if (pl.smem_bytes > budget) pl.error = "query tile too large for shared memory";
   pl.workspace_floats = pl.num_splits > 1 ? pl.num_splits * p.B * p.H_q * pl.t_chunk * p.C : 0;
   if (pl.col_blocks > 0x7fffffff || pl.num_splits > 65535 || bh > 65535) pl.error = "grid too large";
   if (std::max({p.c_sr, p.s_sr, p.z_sr}) >= (int64_t{1} << 29)) pl.error = "row stride too large";
@@ -419,6 +600,8 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
 }
 
 }  // namespace
+
+bool gemv_kivi_ring(const GemvKiviParams& p) { return plan_kivi(p).loads == kLoadRing; }
 
 int64_t gemv_kivi_workspace_floats(const GemvKiviParams& p) {
   if (p.B * p.H_q * p.T * p.C == 0 || p.R == 0) return 0;

@@ -40,8 +40,9 @@ inline bool env_equals(const char* name, const char* value) {
 // split-K summation order.
 inline bool gemv_planner_v1() { return env_equals("KVKERNELS_GEMV_PLANNER", "v1"); }
 
-// KVKERNELS_GEMV_RING=0: gemv_inner_q reads codes into registers one step at a time (16-byte loads where aligned),
-// as before its cp.async ring, so a benchmark can time the ring against them on one machine. Same results.
+// KVKERNELS_GEMV_RING=0: gemv_inner_q and gemv_kivi read codes into registers one step at a time (wide loads where
+// aligned), as before their cp.async rings, so a benchmark can time the rings against them on one machine. Same
+// results.
 inline bool gemv_ring_disabled() { return env_equals("KVKERNELS_GEMV_RING", "0"); }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -113,6 +114,9 @@ struct GemvKiviParams {
 };
 
 int64_t gemv_kivi_workspace_floats(const GemvKiviParams& p);
+// Whether launch_gemv_kivi reads codes through its cp.async ring (16 columns per lane, G = 32, 16-byte aligned code
+// rows, 8-byte aligned scale / zero rows, KVKERNELS_GEMV_RING not 0).
+bool gemv_kivi_ring(const GemvKiviParams& p);
 cudaError_t launch_gemv_kivi(const GemvKiviParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // cp.async (sm_80+): global -> shared copies that complete in the background, grouped by commit and waited for by
 // group count. Shared by the kernels that keep loads in flight with a shared-memory pipeline (aqua_reconstruct's
-// GEMM tiles, the InnerQ GEMV's code ring). The emulator (tests/cuda_emu/emu.h) defers every copy until a
+// GEMM tiles, the GEMVs' code ring: code_ring.cuh). The emulator (tests/cuda_emu/emu.h) defers every copy until a
 // cp_async_wait that covers its group, so a read before the matching wait sees stale bytes there, as it could on a
 // GPU, instead of the data arriving early.
 #pragma once
@@ -52,6 +52,17 @@ __device__ __forceinline__ void cp_async8(SmemAddr dst, const void* src) {
   kvk_emu::cp_async(dst, src, 8, 8);
 #else
   (void)dst, (void)src;
+#endif
+}
+
+// The same, reading only the first `bytes` (0..8) and zero-filling the rest.
+__device__ __forceinline__ void cp_async8_zfill(SmemAddr dst, const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+#elif defined(KVK_EMU)
+  kvk_emu::cp_async(dst, src, bytes, 8);
+#else
+  (void)dst, (void)src, (void)bytes;
 #endif
 }
 

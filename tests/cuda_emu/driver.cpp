@@ -138,14 +138,18 @@ void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, i
          ring ? "ring" : vec ? "vec" : "words", bad ? "FAIL" : "ok", bad);
 }
 
+// Scale / zero rows as g_meta_pad says (inner_q_case); with 8-byte aligned rows, 16-byte aligned code rows (cpad),
+// G = 32 and C >= 128 the planner takes the cp.async ring (expect_ring: 1 must, 0 must not, -1 either).
 void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t R, int64_t C, int bits, int G,
-               XDtype dt, int cpad, int coff, int num_sms) {
+               XDtype dt, int cpad, int coff, int num_sms, int expect_ring = -1) {
   const int64_t W = C * bits / 32, NG = C / G;
   const int64_t c_sr = W + cpad, c_sh = R * c_sr, c_sb = H_kv * c_sh;
-  Buf<uint32_t> codes(B * c_sb + coff);
+  Buf<uint32_t> codes(B * c_sb + coff);  // no slack after the last row: a read past column C there is caught
   for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
-  const int64_t s_sr = NG + 3, s_sh = R * s_sr, s_sb = H_kv * s_sh;
-  Buf<uint16_t> sc(B * s_sb + 1), ze(B * s_sb + 2);
+  const bool legacy_meta = g_meta_pad < 0;
+  const int64_t s_sr = legacy_meta ? NG + 3 : (NG + 3) / 4 * 4 + g_meta_pad, s_sh = R * s_sr, s_sb = H_kv * s_sh;
+  const int s_off = legacy_meta ? 1 : 0, z_off = legacy_meta ? 2 : 0;
+  Buf<uint16_t> sc(B * s_sb + s_off), ze(B * s_sb + z_off);
   for (size_t i = 0; i < sc.n; ++i) sc.p[i] = hbits(std::fabs(frand()) * 0.1f);
   for (size_t i = 0; i < ze.n; ++i) ze.p[i] = hbits(frand());
   const int64_t x_st = R + 2, x_sh = T * x_st + 5, x_sb = H_q * x_sh + 3;
@@ -156,7 +160,7 @@ void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int6
   Buf<float> y(B * H_q * T * C);
   for (size_t i = 0; i < y.n; ++i) y.p[i] = NAN;
   GemvKiviParams p{};
-  p.x = xb; p.codes = codes.p + coff; p.scales = sc.p + 1; p.zeros = ze.p + 2; p.y = y.p;
+  p.x = xb; p.codes = codes.p + coff; p.scales = sc.p + s_off; p.zeros = ze.p + z_off; p.y = y.p;
   p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.R = R; p.C = C; p.bits = bits; p.group_size = G; p.x_dtype = dt;
   p.num_sms = num_sms;
   p.x_sb = x_sb; p.x_sh = x_sh; p.x_st = has_t ? x_st : 0;
@@ -164,6 +168,11 @@ void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int6
   p.s_sb = s_sb; p.s_sh = s_sh; p.s_sr = s_sr;
   p.z_sb = s_sb; p.z_sh = s_sh; p.z_sr = s_sr;
   p.y_sb = H_q * T * C; p.y_sh = T * C; p.y_st = has_t ? C : 0;
+  const bool ring = gemv_kivi_ring(p);
+  if (expect_ring >= 0 && ring != (expect_ring != 0)) {
+    printf("kivi: cp.async ring %d, expected %d\n", (int)ring, expect_ring);
+    res.cases++; res.fails++; return;
+  }
   int64_t wsf = gemv_kivi_workspace_floats(p);
   std::unique_ptr<Buf<float>> ws;
   if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
@@ -191,8 +200,9 @@ void kivi_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int6
     if (!(ex <= 0)) { if (bad < 3) printf("  mismatch b%ld h%ld t%ld c%ld got %g want %g\n", b, h, t, c, got, acc); bad++; }
   }
   if (bad) res.fails++;
-  printf("kivi B%ld Hq%ld Hkv%ld T%ld%s R%ld C%ld b%d G%d dt%d cpad%d coff%d sms%d : %s (bad %ld)\n", B, H_q, H_kv, T,
-         has_t ? "" : "(3d)", R, C, bits, G, (int)dt, cpad, coff, num_sms, bad ? "FAIL" : "ok", bad);
+  printf("kivi B%ld Hq%ld Hkv%ld T%ld%s R%ld C%ld b%d G%d dt%d cpad%d coff%d sms%d %s: %s (bad %ld)\n", B, H_q, H_kv, T,
+         has_t ? "" : "(3d)", R, C, bits, G, (int)dt, cpad, coff, num_sms, ring ? "ring" : "regs", bad ? "FAIL" : "ok",
+         bad);
 }
 
 void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, QuantMode mode, float eta, XDtype dt) {
@@ -1066,6 +1076,30 @@ int main(int argc, char** argv) {
     setenv("KVKERNELS_GEMV_PLANNER", "v1", 1);  // the first GPU run's splits (longer), the same results
     kivi_case(2, 4, 4, 1, false, 3000, 64, 2, 64, XDtype::kF16, 0, 0, 16);
     unsetenv("KVKERNELS_GEMV_PLANNER");
+    // the cp.async ring (16-byte code rows, 8-byte scale / zero rows, G = 32), every width: keys (R = head_dim,
+    // C = 992 tokens: 7 whole column tiles and a last one of 96 columns whose pieces zero-fill past C; 1 SM, so
+    // warps walk many k-steps), values split along R (R % 16 = 8: a partial last k-step through the register
+    // path; 8 and 12 query rows), a short store (C = 160 at 4 bits: one tile of 32 columns past the first)
+    g_meta_pad = 4;
+    for (int bits = 1; bits <= 4; ++bits) {
+      const auto cpad = [&](int64_t C) { return static_cast<int>((4 - C * bits / 32 % 4) % 4); };
+      kivi_case(1, 8, 2, 1, false, 128, 992, bits, 32, XDtype::kF16, cpad(992), 0, 1, 1);
+      kivi_case(2, 8, 2, 1, true, 1000, 128, bits, 32, (XDtype)(bits % 3), cpad(128), 0, 16, 1);
+      kivi_case(1, 12, 1, 1, true, 600, 128, bits, 32, XDtype::kBF16, cpad(128), 0, 8, bits != 3);  // 3 x 8: regs
+      kivi_case(1, 4, 2, 2, true, 64, 160, bits, 32, XDtype::kF32, cpad(160), 0, 4, 1);
+    }
+    setenv("KVKERNELS_GEMV_PLANNER", "v1", 1);
+    kivi_case(2, 8, 2, 1, true, 1000, 128, 2, 32, XDtype::kF16, 0, 0, 16, 1);
+    unsetenv("KVKERNELS_GEMV_PLANNER");
+    setenv("KVKERNELS_GEMV_RING", "0", 1);  // the benchmark switch: the same store through the register loads
+    kivi_case(2, 8, 2, 1, true, 1000, 128, 2, 32, XDtype::kF16, 0, 0, 16, 0);
+    unsetenv("KVKERNELS_GEMV_RING");
+    kivi_case(1, 4, 1, 1, true, 100, 256, 2, 64, XDtype::kF16, 0, 0, 8, 0);  // G = 64
+    kivi_case(1, 4, 1, 1, true, 100, 256, 2, 32, XDtype::kF16, 1, 0, 8, 0);  // code rows 4-byte aligned
+    kivi_case(1, 4, 1, 1, true, 100, 64, 2, 32, XDtype::kF16, 0, 0, 8, 0);   // 64 columns: 8 per lane
+    g_meta_pad = 2;  // scale / zero rows 4-byte aligned only
+    kivi_case(1, 4, 1, 1, true, 100, 256, 2, 32, XDtype::kF16, 0, 0, 8, 0);
+    g_meta_pad = -1;
   }
   if (which == "q" || which == "all") {
     for (int bits = 1; bits <= 4; ++bits)
