@@ -40,6 +40,22 @@ TORCH_LIBRARY(kvkernels, m) {
   // x [B, H_q, R] or [B, H_q, T, R]; codes int32 [B, H_kv, R, C*bits/32]; scales/zeros fp16 [B, H_kv, R, C/G].
   // Returns fp32 [B, H_q, (T,) C].
   m.def("gemv_kivi(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, int group_size) -> Tensor");
+  // The GEMVs written into the caller's `out` (fp32, the functional result's shape, stride 1 in the last dim: e.g. a
+  // slice of a wider scores buffer) with an optional caller-provided split-K workspace (fp32, contiguous, at least
+  // gemv_workspace_numel floats; None: allocated per call): no allocation on the hot path, fixed buffers for graphs.
+  // (quant_mode is gemv_inner_q's mode: torch's functionalization of mutable ops passes the arguments by name, and a
+  // `mode` argument collides with its own; torch 2.13, opcheck's test_aot_dispatch_dynamic.)
+  m.def(
+      "gemv_inner_q_into(Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "str quant_mode, Tensor? x_scale, Tensor(a!) out, Tensor(b!)? workspace=None) -> ()");
+  m.def(
+      "gemv_kivi_into(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int bits, int group_size, Tensor(a!) out, "
+      "Tensor(b!)? workspace=None) -> ()");
+  // Floats of workspace the _into form of op ("gemv_inner_q" / "gemv_kivi") needs for these tensors (0: none; the
+  // CUDA plan depends on shapes, strides, alignment and the device). Not traceable: ask before capturing a graph.
+  m.def(
+      "gemv_workspace_numel(str op, Tensor x, Tensor codes, Tensor scales, Tensor? zeros, int bits, int group_size, "
+      "str mode='asym', Tensor? x_scale=None) -> int");
 
   // Lattice (HIGGS-style) format, docs/FORMATS.md "Lattice". grid: fp32 [n, d], (d, n) in {(2,16), (2,64), (2,256),
   // (4,256)}, bits = log2(n) / d; group_size G: power of two in [32, 1024]; signs: None or int8 [G] of +-1.

@@ -96,8 +96,7 @@ def _check_group_params(op, scales, zeros, expected, needs_zeros: bool) -> None:
     check_last_dim_contiguous(op, "zeros", zeros)
 
 
-def check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale=None) -> None:
-    op = "gemv_inner_q"
+def check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale=None, *, op="gemv_inner_q") -> None:
     check_tensors(op, x=x, codes=codes, scales=scales)
     check_bits(op, bits)
     check_mode(op, mode)
@@ -116,8 +115,7 @@ def check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale=
     check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros, x_scale=x_scale)
 
 
-def check_gemv_kivi(x, codes, scales, zeros, bits, group_size) -> None:
-    op = "gemv_kivi"
+def check_gemv_kivi(x, codes, scales, zeros, bits, group_size, *, op="gemv_kivi") -> None:
     check_tensors(op, x=x, codes=codes, scales=scales, zeros=zeros)
     check_bits(op, bits)
     _check_x(op, x)
@@ -131,6 +129,56 @@ def check_gemv_kivi(x, codes, scales, zeros, bits, group_size) -> None:
     check_group_size(op, group_size, C, "C (columns)")
     _check_group_params(op, scales, zeros, (B, H_kv, R, C // group_size), True)
     check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros)
+
+
+def _check_gemv_out(op: str, out, n: int, x_in, workspace, **inputs) -> None:
+    """out of the GEMVs' _into forms (fp32, the result's shape with last dim n, x's device, stride 1 in the last dim,
+    no self-overlap, no memory shared with an input) and the optional workspace (fp32, contiguous, x's device)."""
+    check_tensors(op, out=out)
+    check_dtype(op, "out", out, torch.float32)
+    check_shape(op, "out", out, (*x_in.shape[:-1], n))
+    check_last_dim_contiguous(op, "out", out)
+    check_no_self_overlap(op, "out", out)
+    if workspace is not None:
+        check_tensors(op, workspace=workspace)
+        check_dtype(op, "workspace", workspace, torch.float32)
+        if not workspace.is_contiguous():
+            _fail(op, "workspace must be contiguous")
+        inputs["workspace"] = workspace
+    for name, t in inputs.items():
+        if t is not None and torch._C._is_alias_of(out, t):
+            _fail(op, f"out must not share memory with {name}")
+    check_same_device(op, x=x_in, out=out, workspace=workspace)
+
+
+def check_gemv_inner_q_into(
+    x, codes, scales, zeros, bits, group_size, quant_mode, x_scale, out, workspace=None
+) -> None:
+    op = "gemv_inner_q_into"
+    check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, quant_mode, x_scale, op=op)
+    _check_gemv_out(
+        op, out, codes.shape[2], x, workspace, x=x, codes=codes, scales=scales, zeros=zeros, x_scale=x_scale
+    )
+
+
+def check_gemv_kivi_into(x, codes, scales, zeros, bits, group_size, out, workspace=None) -> None:
+    op = "gemv_kivi_into"
+    check_gemv_kivi(x, codes, scales, zeros, bits, group_size, op=op)
+    n = codes.shape[-1] // bits * BLOCK
+    _check_gemv_out(op, out, n, x, workspace, x=x, codes=codes, scales=scales, zeros=zeros)
+
+
+def check_gemv_workspace_numel(gemv, x, codes, scales, zeros, bits, group_size, mode="asym", x_scale=None) -> None:
+    op = "gemv_workspace_numel"
+    if gemv == "gemv_inner_q":
+        check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale, op=op)
+    elif gemv == "gemv_kivi":
+        if mode != "asym" or x_scale is not None:
+            extra = " and an x_scale" if x_scale is not None else ""
+            _fail(op, f"gemv_kivi is asym without x_scale, got mode={mode!r}{extra}")
+        check_gemv_kivi(x, codes, scales, zeros, bits, group_size, op=op)
+    else:
+        _fail(op, f"op must be 'gemv_inner_q' or 'gemv_kivi', got {gemv!r}")
 
 
 def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:

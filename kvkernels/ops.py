@@ -24,6 +24,9 @@ OPS = (
     "dequantize_groups",
     "gemv_inner_q",
     "gemv_kivi",
+    "gemv_inner_q_into",
+    "gemv_kivi_into",
+    "gemv_workspace_numel",
     "fwht",
     "lattice_quantize",
     "lattice_dequantize",
@@ -44,6 +47,9 @@ _CHECKS = {
     "dequantize_groups": V.check_dequantize,
     "gemv_inner_q": V.check_gemv_inner_q,
     "gemv_kivi": V.check_gemv_kivi,
+    "gemv_inner_q_into": V.check_gemv_inner_q_into,
+    "gemv_kivi_into": V.check_gemv_kivi_into,
+    "gemv_workspace_numel": V.check_gemv_workspace_numel,
     "fwht": V.check_fwht,
     "lattice_quantize": V.check_lattice_quantize,
     "lattice_dequantize": V.check_lattice_dequantize,
@@ -73,6 +79,27 @@ def _checked(op: str, fn):
         return fn(*args, **kwargs)
 
     return kernel
+
+
+# Python kernels of the ops that only the compiled CUDA build implements natively: the GEMVs' _into forms call the
+# functional op (whichever backend serves it) and copy into out; the workspace is for the compiled kernels only.
+def _gemv_inner_q_into(x, codes, scales, zeros, bits, group_size, quant_mode, x_scale, out, workspace=None) -> None:
+    out.copy_(torch.ops.kvkernels.gemv_inner_q.default(x, codes, scales, zeros, bits, group_size, quant_mode, x_scale))
+
+
+def _gemv_kivi_into(x, codes, scales, zeros, bits, group_size, out, workspace=None) -> None:
+    out.copy_(torch.ops.kvkernels.gemv_kivi.default(x, codes, scales, zeros, bits, group_size))
+
+
+def _gemv_workspace_numel(gemv, x, codes, scales, zeros, bits, group_size, mode="asym", x_scale=None) -> int:
+    return 0  # the reference and Triton GEMVs take no workspace
+
+
+_PY_ONLY = {
+    "gemv_inner_q_into": _gemv_inner_q_into,
+    "gemv_kivi_into": _gemv_kivi_into,
+    "gemv_workspace_numel": _gemv_workspace_numel,
+}
 
 
 def _triton_impl(op: str):
@@ -106,9 +133,13 @@ def _register() -> None:
     for op in OPS:
         qualname = f"kvkernels::{op}"
         if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
-            torch.library.register_kernel(qualname, "cpu", _checked(op, getattr(reference, op)))
+            torch.library.register_kernel(qualname, "cpu", _checked(op, _PY_ONLY.get(op) or getattr(reference, op)))
         if _has_cuda_kernel(op):
             CUDA_IMPL[op] = "cuda"
+            continue
+        if op in _PY_ONLY:  # served by the functional op's CUDA kernel
+            CUDA_IMPL[op] = "python"
+            torch.library.register_kernel(qualname, "cuda", _checked(op, _PY_ONLY[op]))
             continue
         impl = _triton_impl(op)
         CUDA_IMPL[op] = "triton" if impl is not None else "reference"
@@ -156,6 +187,21 @@ def _register_fakes() -> None:
     @fake("gemv_kivi")
     def _(x, codes, scales, zeros, bits, group_size):
         return x.new_empty((*x.shape[:-1], codes.shape[-1] // bits * 32), dtype=torch.float32)
+
+    @fake("gemv_inner_q_into")
+    def _(x, codes, scales, zeros, bits, group_size, quant_mode, x_scale, out, workspace=None):
+        return None
+
+    @fake("gemv_kivi_into")
+    def _(x, codes, scales, zeros, bits, group_size, out, workspace=None):
+        return None
+
+    @fake("gemv_workspace_numel")
+    def _(gemv, x, codes, scales, zeros, bits, group_size, mode="asym", x_scale=None):
+        raise NotImplementedError(
+            "kvkernels.gemv_workspace_numel reads device properties and pointer alignment: call it outside traced "
+            "or compiled code (before capturing a graph) and pass the buffer in"
+        )
 
     def lattice_bits(grid):  # grid [n, d], already validated
         return V.check_lattice_grid("lattice", grid)
@@ -274,27 +320,80 @@ def gemv_inner_q(
     group_size: int,
     mode: str,
     x_scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """InnerQ fused dequant-GEMV: y[b,h,(t),m] = sum_l x[b,h,(t),l] * x_scale[h_kv,l] * deq(codes[b,h_kv,m,l]).
 
     x [B, H_q, L] or [B, H_q, T, L] fp16/bf16/fp32; codes int32 [B, H_kv, M, L*bits/32]; scales (and zeros,
     required for asym/hybrid) fp16 [B, H_kv, M, L/G]; x_scale fp32 [H_kv, L] or None. Returns fp32.
+    out: write the result there and return it (fp32 [B, H_q, (T,) M], stride 1 in the last dim: a slice of a wider
+    buffer works) instead of allocating; workspace (with out): the split-K buffer of the CUDA kernel, at least
+    gemv_workspace_numel("gemv_inner_q", ...) floats, so the call allocates nothing.
     """
     require_c("gemv_inner_q")
-    V.check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale)
-    return torch.ops.kvkernels.gemv_inner_q.default(x, codes, scales, zeros, bits, group_size, mode, x_scale)
+    if out is None:
+        _no_workspace_without_out("gemv_inner_q", workspace)
+        V.check_gemv_inner_q(x, codes, scales, zeros, bits, group_size, mode, x_scale)
+        return torch.ops.kvkernels.gemv_inner_q.default(x, codes, scales, zeros, bits, group_size, mode, x_scale)
+    V.check_gemv_inner_q_into(x, codes, scales, zeros, bits, group_size, mode, x_scale, out, workspace)
+    torch.ops.kvkernels.gemv_inner_q_into.default(
+        x, codes, scales, zeros, bits, group_size, mode, x_scale, out, workspace
+    )
+    return out
 
 
 def gemv_kivi(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KIVI-layout fused dequant-GEMV: y[b,h,(t),c] = sum_r x[b,h,(t),r] * deq(codes[b,h_kv,r,c]).
 
     x [B, H_q, R] or [B, H_q, T, R]; codes int32 [B, H_kv, R, C*bits/32]; scales/zeros fp16 [B, H_kv, R, C/G].
+    out / workspace: as gemv_inner_q's (out fp32 [B, H_q, (T,) C]).
     """
     require_c("gemv_kivi")
-    V.check_gemv_kivi(x, codes, scales, zeros, bits, group_size)
-    return torch.ops.kvkernels.gemv_kivi.default(x, codes, scales, zeros, bits, group_size)
+    if out is None:
+        _no_workspace_without_out("gemv_kivi", workspace)
+        V.check_gemv_kivi(x, codes, scales, zeros, bits, group_size)
+        return torch.ops.kvkernels.gemv_kivi.default(x, codes, scales, zeros, bits, group_size)
+    V.check_gemv_kivi_into(x, codes, scales, zeros, bits, group_size, out, workspace)
+    torch.ops.kvkernels.gemv_kivi_into.default(x, codes, scales, zeros, bits, group_size, out, workspace)
+    return out
+
+
+def _no_workspace_without_out(op: str, workspace) -> None:
+    if workspace is not None:
+        raise ValueError(f"kvkernels.{op}: workspace= is only taken with out= (the functional form allocates)")
+
+
+def gemv_workspace_numel(
+    op: str,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    mode: str = "asym",
+    x_scale: torch.Tensor | None = None,
+) -> int:
+    """Floats of split-K workspace the CUDA kernel of `op` ("gemv_inner_q" or "gemv_kivi") needs for these arguments
+    (0: it does not split; always 0 where the reference or Triton serves the op). The plan depends on the shapes,
+    strides, alignment and the device: ask with the tensors the call will use, outside compiled code."""
+    require_c("gemv_workspace_numel")
+    V.check_gemv_workspace_numel(op, x, codes, scales, zeros, bits, group_size, mode, x_scale)
+    return torch.ops.kvkernels.gemv_workspace_numel.default(
+        op, x, codes, scales, zeros, bits, group_size, mode, x_scale
+    )
 
 
 # Lattice (HIGGS-style) ops, docs/FORMATS.md "Lattice". grid: fp32 [n, d] (kvkernels.formats.lattice_grids.grid);

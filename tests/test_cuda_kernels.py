@@ -224,7 +224,7 @@ def test_inner_q_cuda_graph():
 # ---- gemv_kivi ------------------------------------------------------------------------------------------------
 
 
-def _kivi_case(B, H_q, H_kv, T, R, C, bits, G, dtype, narrow, misalign=False, seed=0):
+def _kivi_case(B, H_q, H_kv, T, R, C, bits, G, dtype, narrow, misalign=False, seed=0, cache_rows=False):
     codes, scales, zeros = _quantized(B, H_kv, R, C, bits, G, "asym", seed)
     x_shape = (B, H_q, R) if T is None else (B, H_q, T, R)
     x = torch.randn(x_shape, generator=_gen(seed + 1)).to(dtype)
@@ -236,8 +236,11 @@ def _kivi_case(B, H_q, H_kv, T, R, C, bits, G, dtype, narrow, misalign=False, se
     xc, cc, sc, zc = _to_cuda(x, codes, scales, zeros, narrow=narrow)
     if misalign:
         (cc,) = _to_cuda(codes, misalign=True)
+    if cache_rows:  # rows padded to 4 elements, as the caches allocate them: 16-byte code rows, 8-byte scale rows
+        cc, sc, zc = (_narrow_last(t, pad=-t.shape[-1] % 4) for t in (cc, sc, zc))
     y = torch.ops.kvkernels.gemv_kivi(xc, cc, sc, zc, bits, G)
     _assert_gemv_close(y, ref, mag, dtype, rtol_min=KIVI_DEQ_RTOL)
+    return y
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -275,6 +278,67 @@ def test_kivi_shapes(shape, T, bits):
 def test_kivi_views(bits, T, narrow, misalign):
     for B, H_q, H_kv, R, C in ((1, 8, 2, 2048, 128), (1, 8, 2, 128, 640)):
         _kivi_case(B, H_q, H_kv, T, R, C, bits, 32, torch.bfloat16, narrow, misalign, seed=R)
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "KVKERNELS_GEMV_RING=0"])
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_kivi_ring_and_register_loads(bits, ring, monkeypatch):
+    # the caches' layout (G = 32, rows padded to 4 elements) takes the cp.async ring unless switched off: keys of 992
+    # tokens (a last column tile of 96, zero-filled past C), values of 1000 tokens at batch 2 (split R, a partial last
+    # k-step), 12 query rows (two passes)
+    if not ring:
+        monkeypatch.setenv("KVKERNELS_GEMV_RING", "0")
+    for B, H_q, H_kv, T, R, C in ((1, 8, 2, None, 128, 992), (2, 8, 2, 1, 1000, 128), (1, 12, 1, None, 600, 128)):
+        _kivi_case(B, H_q, H_kv, T, R, C, bits, 32, torch.float16, narrow=False, seed=R + C, cache_rows=True)
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "KVKERNELS_GEMV_RING=0"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
+def test_inner_q_ring_and_register_loads(bits, mode, ring, monkeypatch):
+    # keys (L = 128: the ring's tile stream, a partial last tile) and split values (a len % 128 tail)
+    if not ring:
+        monkeypatch.setenv("KVKERNELS_GEMV_RING", "0")
+    for B, H_q, H_kv, M, L in ((1, 8, 2, 1000, 128), (2, 4, 1, 128, 2080)):
+        _inner_q_case(B, H_q, H_kv, None, M, L, bits, 32, mode, torch.float16, x_scale=False, narrow=False, seed=M)
+
+
+def test_gemv_out_and_workspace():
+    # split-K shapes (the value GEMVs at batch 1), so both kernels need a workspace; out is a slice of a wider buffer
+    B, H_q, H_kv, D, N = 1, 8, 2, 128, 4096
+    ic, iscales, izeros = _to_cuda(*_quantized(B, H_kv, D, N, 2, 32, "asym", 5))  # InnerQ values: M = D, L = N
+    kc, kscales, kzeros = _to_cuda(*_quantized(B, H_kv, N, D, 2, 32, "asym", 6))  # KIVI values: R = N, C = D
+    x = torch.randn((B, H_q, N), device=DEV)
+    calls = {
+        "gemv_inner_q": lambda **kw: kvkernels.gemv_inner_q(x, ic, iscales, izeros, 2, 32, "asym", **kw),
+        "gemv_kivi": lambda **kw: kvkernels.gemv_kivi(x, kc, kscales, kzeros, 2, 32, **kw),
+    }
+    operands = {"gemv_inner_q": (ic, iscales, izeros), "gemv_kivi": (kc, kscales, kzeros)}
+    for name, call in calls.items():
+        want = call()
+        need = kvkernels.gemv_workspace_numel(name, x, *operands[name], 2, 32)
+        assert need > 0, name
+        buf = torch.full((B, H_q, D + 8), 7.0, device=DEV)
+        out = buf[..., 4 : 4 + D]
+        ws = torch.empty(need, device=DEV)
+        assert call(out=out, workspace=ws) is out
+        assert torch.equal(out, want), name  # the same plan: the same bits
+        assert (buf[..., :4] == 7).all() and (buf[..., 4 + D :] == 7).all()
+        with pytest.raises(ValueError, match=f"workspace holds {need - 1} floats, this call needs {need}"):
+            call(out=out, workspace=ws[1:])
+        # a CUDA graph over fixed buffers: nothing is allocated inside
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call(out=out, workspace=ws)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(out=out, workspace=ws)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call()), name
 
 
 def test_kivi_deterministic():

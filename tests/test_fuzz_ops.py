@@ -366,8 +366,7 @@ def _gemv_heads(draw):
     return B, H_q, H_kv, T
 
 
-@st.composite
-def gemv_inner_q_cases(draw):
+def _gemv_inner_q_args(draw):
     B, H_q, H_kv, T = _gemv_heads(draw)
     bits, group, mode, _ = _quant_scalars(draw)
     L, M = _length(draw, group), draw(st.sampled_from((0, 1, 3, 5, 8, 13, 16, 33)))
@@ -378,13 +377,50 @@ def gemv_inner_q_cases(draw):
     x_scale = None if draw(st.booleans()) else _float_spec(draw, (H_kv, L), (torch.float32,), values=SCALE_VALUES)
     args = {"x": x, "codes": codes, "scales": scales, "zeros": zeros, "bits": bits, "group_size": group}
     args |= {"mode": mode, "x_scale": x_scale}
+    return args, (*x.shape[:-1], M)
+
+
+@st.composite
+def gemv_inner_q_cases(draw):
+    args, _ = _gemv_inner_q_args(draw)
     case = Case("gemv_inner_q", args, draw(st.integers(0, 2**32 - 1)))
     bad = {"bits": BAD_BITS, "group_size": BAD_GROUPS, "mode": BAD_MODES}
     return _finish(draw, case, bad, optional=("zeros", "x_scale"))
 
 
+def _gemv_out_args(draw, out_shape):
+    """out (fp32 in an output layout: rows may be padded) and workspace (None, or any length: the CPU kernels
+    take none) of the GEMVs' _into forms."""
+    out = TSpec(tuple(out_shape), torch.float32, draw(st.sampled_from(OUTPUT_LAYOUTS)), "normal")
+    workspace = None if draw(st.booleans()) else TSpec((draw(st.sampled_from((0, 1, 64))),), torch.float32)
+    return {"out": out, "workspace": workspace}
+
+
 @st.composite
-def gemv_kivi_cases(draw):
+def gemv_inner_q_into_cases(draw):
+    args, out_shape = _gemv_inner_q_args(draw)
+    args["quant_mode"] = args.pop("mode")
+    args["x_scale"] = args.pop("x_scale")  # the schema's order: ..., quant_mode, x_scale, out, workspace
+    args |= _gemv_out_args(draw, out_shape)
+    case = Case("gemv_inner_q_into", args, draw(st.integers(0, 2**32 - 1)))
+    bad = {"bits": BAD_BITS, "group_size": BAD_GROUPS, "quant_mode": BAD_MODES}
+    return _finish(draw, case, bad, optional=("zeros", "x_scale", "workspace"))
+
+
+@st.composite
+def gemv_workspace_numel_cases(draw):
+    if draw(st.booleans()):
+        args, _ = _gemv_inner_q_args(draw)
+        args = {"op": "gemv_inner_q", **args}
+    else:
+        args, _ = _gemv_kivi_args(draw)
+        args = {"op": "gemv_kivi", **args, "mode": "asym", "x_scale": None}
+    case = Case("gemv_workspace_numel", args, draw(st.integers(0, 2**32 - 1)))
+    bad = {"op": ("", "gemv_lattice_k", "GEMV_KIVI"), "bits": BAD_BITS, "group_size": BAD_GROUPS}
+    return _finish(draw, case, bad | {"mode": BAD_MODES}, optional=("zeros", "x_scale"))
+
+
+def _gemv_kivi_args(draw):
     B, H_q, H_kv, T = _gemv_heads(draw)
     bits, group = draw(st.sampled_from(BITS)), draw(st.sampled_from(GROUPS))
     R, C = draw(st.sampled_from((0, 1, 3, 8, 17, 40, 64, 100))), _length(draw, group)
@@ -393,8 +429,22 @@ def gemv_kivi_cases(draw):
     scales = _scale_spec(draw, (B, H_kv, R, C // group))
     zeros = _scale_spec(draw, (B, H_kv, R, C // group))
     args = {"x": x, "codes": codes, "scales": scales, "zeros": zeros, "bits": bits, "group_size": group}
+    return args, (*x.shape[:-1], C)
+
+
+@st.composite
+def gemv_kivi_cases(draw):
+    args, _ = _gemv_kivi_args(draw)
     case = Case("gemv_kivi", args, draw(st.integers(0, 2**32 - 1)))
     return _finish(draw, case, {"bits": BAD_BITS, "group_size": BAD_GROUPS})
+
+
+@st.composite
+def gemv_kivi_into_cases(draw):
+    args, out_shape = _gemv_kivi_args(draw)
+    args |= _gemv_out_args(draw, out_shape)
+    case = Case("gemv_kivi_into", args, draw(st.integers(0, 2**32 - 1)))
+    return _finish(draw, case, {"bits": BAD_BITS, "group_size": BAD_GROUPS}, optional=("workspace",))
 
 
 LATTICE_BITS = {(2, 16): 2, (2, 64): 3, (2, 256): 4, (4, 256): 2}  # grid (d, n) -> bits per value
@@ -621,6 +671,9 @@ CASES = {
     "dequantize_groups": dequantize_groups_cases,
     "gemv_inner_q": gemv_inner_q_cases,
     "gemv_kivi": gemv_kivi_cases,
+    "gemv_inner_q_into": gemv_inner_q_into_cases,
+    "gemv_kivi_into": gemv_kivi_into_cases,
+    "gemv_workspace_numel": gemv_workspace_numel_cases,
     "fwht": fwht_cases,
     "lattice_quantize": lattice_quantize_cases,
     "lattice_dequantize": lattice_dequantize_cases,
@@ -972,6 +1025,16 @@ def check_decode_attention_fused(
     _assert_within(got, want, mag, 2.0, "decode_attention_fused", gate)
 
 
+def _check_nothing_outside(op, before, a):
+    """The _into ops write their outputs' views only: the rest of each backing buffer is as it was."""
+    for name, (buf, snapshot) in before.items():
+        view = a[name]
+        inside = torch.zeros(buf.shape, dtype=torch.bool)
+        inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
+        same = (buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype) == snapshot) | inside
+        assert bool(same.all()), f"{op} wrote outside {name}"
+
+
 def check_result(op, a, got, before, backend="cpu"):
     """The output of a successful call (a: the built arguments by name) against the reference."""
     if op == "pack_bits":
@@ -986,12 +1049,7 @@ def check_result(op, a, got, before, backend="cpu"):
         assert got is None
         outs = (a["codes"], a["scales"], a["zeros"])
         check_quantized(a["x"], a["bits"], a["group_size"], a["quant_mode"], a["eta"], outs)
-        for name, (buf, snapshot) in before.items():  # nothing written outside the views
-            view = a[name]
-            inside = torch.zeros(buf.shape, dtype=torch.bool)
-            inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
-            same = (buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype) == snapshot) | inside
-            assert bool(same.all()), f"quantize_groups_into wrote outside {name}"
+        _check_nothing_outside(op, before, a)
     elif op == "dequantize_groups":
         check_dequantized(*(a[k] for k in ("codes", "scales", "zeros", "bits", "group_size", "mode")), got)
     elif op == "gemv_inner_q":
@@ -1001,6 +1059,16 @@ def check_result(op, a, got, before, backend="cpu"):
         check_gemv_kivi(
             *(a[k] for k in ("x", "codes", "scales", "zeros", "bits", "group_size")), got, backend == "triton"
         )
+    elif op in ("gemv_inner_q_into", "gemv_kivi_into"):
+        assert got is None
+        names = _ARG_NAMES[op][: _ARG_NAMES[op].index("out")]
+        if op == "gemv_inner_q_into":
+            check_gemv_inner_q(*(a[k] for k in names), a["out"], factorized=backend == "triton")
+        else:
+            check_gemv_kivi(*(a[k] for k in names), a["out"], backend == "triton")
+        _check_nothing_outside(op, before, a)
+    elif op == "gemv_workspace_numel":
+        assert got == 0, f"gemv_workspace_numel is {got} on the CPU (its kernels take no workspace)"
     elif op == "fwht":
         check_fwht(a["x"], a["group_size"], a["signs"], a["inverse"], got)
     elif op == "lattice_quantize":
@@ -1045,6 +1113,14 @@ def _kernel(op: str, backend: str):
     return getattr(torch.ops.kvkernels, op).default
 
 
+# the tensors each _into op writes (its other tensor arguments are read only)
+_OUTPUTS = {
+    "quantize_groups_into": ("codes", "scales", "zeros"),
+    "gemv_inner_q_into": ("out",),
+    "gemv_kivi_into": ("out",),
+}
+
+
 def run_case(case: Case, backend: str = "cpu") -> tuple[str, str]:
     """Runs one case on CPU and on meta: (outcome, message), outcome 'ok' or the exception type; or AssertionError."""
     op = case.op
@@ -1061,8 +1137,8 @@ def run_case(case: Case, backend: str = "cpu") -> tuple[str, str]:
     fake = getattr(torch.ops.kvkernels, op).default  # the dispatcher: the fake for meta tensors
     fn = _kernel(op, backend) if devices == {"cpu"} else fake  # a meta tensor or none: no CPU kernel runs
     before = {}
-    if op == "quantize_groups_into":
-        for name in ("codes", "scales", "zeros"):
+    if op in _OUTPUTS:
+        for name in _OUTPUTS[op]:
             if bufs.get(name) is not None:
                 buf = bufs[name]
                 before[name] = (buf, buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype).clone())
@@ -1083,19 +1159,24 @@ def run_case(case: Case, backend: str = "cpu") -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001
         meta_err = e
         _assert_clear(op, e, "meta")
-    if len(devices) <= 1:
+    if len(devices) <= 1 and not (op == "gemv_workspace_numel" and cpu_err is None):
         assert type(cpu_err) is type(meta_err), f"cpu raised {cpu_err!r} but meta raised {meta_err!r}"
     if cpu_err is not None:
         return type(cpu_err).__name__, str(cpu_err).splitlines()[0][:160]
     if "meta" in devices:
         return "ok (all on meta)", ""  # a device mutation moved the only tensors: the call above was the fake
 
-    for k, v in inputs.items():  # inputs are read only (the outputs of quantize_groups_into aside)
-        if isinstance(v, torch.Tensor) and not (op == "quantize_groups_into" and k in ("codes", "scales", "zeros")):
+    for k, v in inputs.items():  # inputs are read only (the outputs of the _into ops aside)
+        if isinstance(v, torch.Tensor) and k not in _OUTPUTS.get(op, ()) + ("workspace",):
             assert _same(v, a[k]), f"{op} modified its input {k}"
-    assert _meta_of(got) == _meta_of(meta_got), f"cpu returned {_meta_of(got)}, the fake {_meta_of(meta_got)}"
+    if op == "gemv_workspace_numel":  # no fake can plan a CUDA launch: it refuses to trace, after the same checks
+        assert isinstance(meta_err, NotImplementedError), f"the fake of gemv_workspace_numel returned {meta_got!r}"
+    else:
+        assert _meta_of(got) == _meta_of(meta_got), f"cpu returned {_meta_of(got)}, the fake {_meta_of(meta_got)}"
     check_result(op, a, got, before, backend)
-    outputs = (a["codes"], a["scales"], a["zeros"]) if got is None else got if isinstance(got, tuple) else (got,)
+    if op == "gemv_workspace_numel":
+        return "ok", ""
+    outputs = tuple(a[k] for k in _OUTPUTS[op]) if got is None else got if isinstance(got, tuple) else (got,)
     return ("ok" if any(t.numel() for t in outputs) else "ok (empty)"), ""
 
 
@@ -1152,6 +1233,20 @@ _ARG_NAMES = {
     "dequantize_groups": ("codes", "scales", "zeros", "bits", "group_size", "mode"),
     "gemv_inner_q": ("x", "codes", "scales", "zeros", "bits", "group_size", "mode", "x_scale"),
     "gemv_kivi": ("x", "codes", "scales", "zeros", "bits", "group_size"),
+    "gemv_inner_q_into": (
+        "x",
+        "codes",
+        "scales",
+        "zeros",
+        "bits",
+        "group_size",
+        "quant_mode",
+        "x_scale",
+        "out",
+        "workspace",
+    ),
+    "gemv_kivi_into": ("x", "codes", "scales", "zeros", "bits", "group_size", "out", "workspace"),
+    "gemv_workspace_numel": ("op", "x", "codes", "scales", "zeros", "bits", "group_size", "mode", "x_scale"),
     "fwht": ("x", "group_size", "signs", "inverse"),
     "lattice_quantize": ("x", "grid", "group_size", "signs"),
     "lattice_dequantize": ("codes", "norms", "grid", "group_size", "signs"),
@@ -1327,6 +1422,9 @@ def _quant_into_args():
         ("dequantize_groups", 1, "scales"),
         ("gemv_inner_q", 1, "codes"),
         ("gemv_kivi", 3, "zeros"),
+        ("gemv_inner_q_into", 8, "out"),
+        ("gemv_kivi_into", 0, "x"),
+        ("gemv_workspace_numel", 2, "codes"),
         ("fwht", 0, "x"),
         ("lattice_quantize", 1, "grid"),
         ("lattice_dequantize", 1, "norms"),
@@ -1351,6 +1449,9 @@ def test_none_for_a_required_tensor_is_a_type_error(op, position, name, device):
         "dequantize_groups": [codes, scales, zeros, bits, G, mode],
         "gemv_inner_q": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G, mode, None],
         "gemv_kivi": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G],
+        "gemv_inner_q_into": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G, mode, None, torch.empty(1, 2, 64)],
+        "gemv_kivi_into": [gx, gemv_codes, gemv_scales, gemv_scales, bits, G, torch.empty(1, 2, 64)],
+        "gemv_workspace_numel": ["gemv_inner_q", gx, gemv_codes, gemv_scales, gemv_scales, bits, G, mode, None],
         "fwht": [x, G, None, False],
         "lattice_quantize": [x, torch.zeros(16, 2), G, None],
         "lattice_dequantize": [codes[:, :2], scales[:, :1], torch.zeros(16, 2), G, None],

@@ -112,6 +112,14 @@ def _opcheck_cases():
             (x, codes, scales, None, 3, 32, "sym", torch.rand(2, 96)),
         ),
         "gemv_kivi": (torch.ops.kvkernels.gemv_kivi.default, (kx, kcodes, kscales, kzeros, 2, 32)),
+        "gemv_inner_q_into": (
+            torch.ops.kvkernels.gemv_inner_q_into.default,
+            (x, codes, scales, zeros, 3, 32, "hybrid", None, torch.empty(2, 4, 2, 37), None),
+        ),
+        "gemv_kivi_into": (
+            torch.ops.kvkernels.gemv_kivi_into.default,
+            (kx, kcodes, kscales, kzeros, 2, 32, torch.empty(2, 4, 64), torch.empty(16)),
+        ),
         **_lattice_opcheck_cases(),
         **_aqua_opcheck_cases(),
         **_attention_opcheck_cases(),
@@ -188,9 +196,85 @@ def test_opcheck_on_cuda_whatever_serves_it(name):
 
 
 def test_every_schema_has_an_opcheck_case():
-    schemas = {n for n in kvkernels.ops.OPS}
+    # gemv_workspace_numel returns a plan-dependent int: no fake can answer it (test_gemv_workspace_numel)
+    schemas = {n for n in kvkernels.ops.OPS} - {"gemv_workspace_numel"}
     covered = {name.removesuffix("_xscale") for name in _opcheck_cases()}
     assert schemas == covered
+
+
+# ---- the GEMVs' out= / workspace= forms ---------------------------------------------------------------------------
+def test_gemv_out_writes_a_slice_of_a_wider_buffer_and_nothing_else():
+    x, codes, scales, zeros = _inner_q_case(T=2)
+    want = reference.gemv_inner_q(x, codes, scales, zeros, 3, 32, "hybrid")
+    buf = torch.full((2, 4, 2, 37 + 10), 7.0)
+    out = buf[..., 3:40]
+    got = kvkernels.gemv_inner_q(x, codes, scales, zeros, 3, 32, "hybrid", out=out)
+    assert got is out and torch.equal(out, want)
+    assert (buf[..., :3] == 7).all() and (buf[..., 40:] == 7).all()
+    kx, kcodes, kscales, kzeros = _kivi_case()
+    kout = torch.full((2, 4, 64), float("nan"))
+    ws = torch.empty(kvkernels.gemv_workspace_numel("gemv_kivi", kx, kcodes, kscales, kzeros, 2, 32))
+    kvkernels.gemv_kivi(kx, kcodes, kscales, kzeros, 2, 32, out=kout, workspace=ws)
+    assert torch.equal(kout, reference.gemv_kivi(kx, kcodes, kscales, kzeros, 2, 32))
+    # the registered op behind torch.ops, positionally
+    kout.zero_()
+    torch.ops.kvkernels.gemv_kivi_into(kx, kcodes, kscales, kzeros, 2, 32, kout)
+    assert torch.equal(kout, reference.gemv_kivi(kx, kcodes, kscales, kzeros, 2, 32))
+
+
+@pytest.mark.parametrize(
+    "out, workspace, exc, match",
+    [
+        (lambda x: torch.empty(2, 4, 37, dtype=torch.float16), None, TypeError, "out must be float32"),
+        (lambda x: torch.empty(2, 4, 36), None, ValueError, "out must have shape"),
+        (lambda x: torch.empty(2, 4, 37 * 2)[..., ::2], None, ValueError, "out must have stride 1"),
+        (lambda x: torch.empty(1, 1, 37).expand(2, 4, 37), None, ValueError, "out must not overlap itself"),
+        (lambda x: torch.empty(2, 4, 37), torch.empty(0), None, None),  # no split on the CPU: any length
+        (lambda x: torch.empty(2, 4, 37), torch.empty(8, dtype=torch.float16), TypeError, "workspace must be float32"),
+        (lambda x: torch.empty(2, 4, 37), torch.empty(8, 2).t(), ValueError, "workspace must be contiguous"),
+        (lambda x: None, torch.empty(8), ValueError, "workspace= is only taken with out="),
+    ],
+    ids=["dtype", "shape", "last-stride", "self-overlap", "fine", "ws-dtype", "ws-strided", "ws-without-out"],
+)
+def test_gemv_out_validation(out, workspace, exc, match):
+    x, codes, scales, zeros = _inner_q_case()
+    args = (x, codes, scales, zeros, 3, 32, "hybrid", None)
+    o = out(x)
+    if exc is None:
+        kvkernels.gemv_inner_q(*args, out=o, workspace=workspace)
+        return
+    with pytest.raises(exc, match=match):
+        kvkernels.gemv_inner_q(*args, out=o, workspace=workspace)
+    if o is not None:  # the registered kernel behind torch.ops validates the same way
+        with pytest.raises(exc, match=match):
+            torch.ops.kvkernels.gemv_inner_q_into(*args, o, workspace)
+
+
+def test_gemv_out_must_not_share_memory_with_an_input():
+    x, codes, scales, zeros = _kivi_case(dtype=torch.float32, R=64)  # x [2, 4, 64] fp32 and out [2, 4, 64]
+    with pytest.raises(ValueError, match="out must not share memory with x"):
+        kvkernels.gemv_kivi(x, codes, scales, zeros, 2, 32, out=x)
+    ws = torch.empty(2 * 4 * 64 + 8)
+    with pytest.raises(ValueError, match="out must not share memory with workspace"):
+        torch.ops.kvkernels.gemv_kivi_into(x, codes, scales, zeros, 2, 32, ws[8:].view(2, 4, 64), ws)
+
+
+def test_gemv_workspace_numel():
+    x, codes, scales, zeros = _inner_q_case()
+    # the reference takes no workspace; the CUDA kernels' need is tested on a GPU (tests/test_cuda_kernels.py)
+    assert kvkernels.gemv_workspace_numel("gemv_inner_q", x, codes, scales, zeros, 3, 32, "hybrid") == 0
+    with pytest.raises(ValueError, match="op must be 'gemv_inner_q' or 'gemv_kivi'"):
+        kvkernels.gemv_workspace_numel("gemv_lattice_k", x, codes, scales, zeros, 3, 32)
+    with pytest.raises(ValueError, match="gemv_kivi is asym without x_scale"):
+        kvkernels.gemv_workspace_numel("gemv_kivi", x, codes, scales, zeros, 3, 32, "sym")
+    with pytest.raises(ValueError, match="gemv_workspace_numel: codes must hold"):
+        torch.ops.kvkernels.gemv_workspace_numel("gemv_inner_q", x, codes[..., 1:], scales, zeros, 3, 32, "hybrid")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()
+    fx, fcodes, fscales, fzeros = (fake.from_tensor(t) for t in (x, codes, scales, zeros))
+    with fake, pytest.raises(NotImplementedError, match="outside traced or compiled code"):
+        torch.ops.kvkernels.gemv_workspace_numel("gemv_inner_q", fx, fcodes, fscales, fzeros, 3, 32, "hybrid")
 
 
 def test_compiles_with_fakes():

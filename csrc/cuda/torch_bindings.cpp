@@ -10,8 +10,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/kernels.h"
@@ -277,10 +279,57 @@ int num_sms() {
   return count;
 }
 
-at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
-                        const std::string& mode, const std::optional<at::Tensor>& x_scale) {
-  const char* op = "gemv_inner_q";
+// ---- the GEMVs: functional, _into (the caller's out and workspace), and the workspace query ----------------------
+// Each op checks its arguments and fills the params without y (inner_q_params / kivi_params); the caller sets the
+// device guard and the SM count, then run_* binds y (a new tensor, or `out`) and the workspace and launches.
+
+// out of the _into forms: fp32, y's shape, x's device, stride 1 in the last dim (rows may be strided: a slice of a
+// wider scores buffer), no self-overlap, and no storage shared with an input (the kernel reads them while it writes).
+void check_gemv_out(const char* op, const at::Tensor& out, at::IntArrayRef shape, const at::Tensor& x,
+                    std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
+  check_defined(op, "out", out);
+  check_dtype(op, "out", out, at::kFloat);
+  check_shape(op, "out", out, shape);
+  check_cuda(op, "out", out, x.device());
+  check_last_dim_contiguous(op, "out", out);
+  check_no_self_overlap(op, "out", out);
+  for (const auto& [name, t] : inputs)
+    TORCH_CHECK_VALUE(t == nullptr || !t->defined() || !out.is_alias_of(*t), "kvkernels.", op, ": out must not share ",
+                      "memory with ", name);
+}
+
+// The split-K workspace: the caller's (fp32, contiguous, x's device, at least `need` floats) or a new one.
+template <typename Params>
+void bind_workspace(const char* op, Params& p, int64_t need, const std::optional<at::Tensor>& workspace,
+                    const at::Tensor& x, at::Tensor& owned) {
+  if (workspace.has_value()) {
+    check_dtype(op, "workspace", *workspace, at::kFloat);
+    check_cuda(op, "workspace", *workspace, x.device());
+    TORCH_CHECK_VALUE(workspace->is_contiguous(), "kvkernels.", op, ": workspace must be contiguous");
+    TORCH_CHECK_VALUE(workspace->numel() >= need, "kvkernels.", op, ": workspace holds ", workspace->numel(),
+                      " floats, this call needs ", need, " (kvkernels.gemv_workspace_numel)");
+  }
+  if (need == 0) return;
+  if (workspace.has_value()) {
+    p.workspace = workspace->data_ptr<float>();
+    p.workspace_floats = workspace->numel();
+  } else {
+    owned = at::empty({need}, x.options().dtype(at::kFloat));
+    p.workspace = owned.data_ptr<float>();
+    p.workspace_floats = need;
+  }
+}
+
+std::vector<int64_t> gemv_y_shape(const at::Tensor& x, int64_t n) {
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return shape;
+}
+
+kvk::GemvInnerQParams inner_q_params(const char* op, const at::Tensor& x, const at::Tensor& codes,
+                                     const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t bits,
+                                     int64_t group_size, const std::string& mode,
+                                     const std::optional<at::Tensor>& x_scale) {
   check_defined(op, "x", x);
   check_defined(op, "codes", codes);
   check_defined(op, "scales", scales);
@@ -299,48 +348,77 @@ at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::
     check_last_dim_contiguous(op, "x_scale", *x_scale);
     check_cuda(op, "x_scale", *x_scale, x.device());
   }
-  const c10::cuda::CUDAGuard device_guard(x.device());
   const bool has_t = x.dim() == 4;
-  const int64_t H_q = x.size(1), T = has_t ? x.size(2) : 1;
-  auto y_shape = x.sizes().vec();
-  y_shape.back() = M;
-  at::Tensor y = at::empty(y_shape, x.options().dtype(at::kFloat));
-  if (y.numel() == 0) return y;
-  if (L == 0) return y.zero_();
-
   kvk::GemvInnerQParams p{};
   p.x = x.const_data_ptr();
   p.codes = words(codes);
   p.scales = half_bits(scales);
   p.zeros = zeros.has_value() ? half_bits(*zeros) : nullptr;
   p.x_scale = x_scale.has_value() ? x_scale->const_data_ptr<float>() : nullptr;
-  p.y = y.data_ptr<float>();
-  p.B = B, p.H_q = H_q, p.H_kv = H_kv, p.T = T, p.M = M, p.L = L;
+  p.B = B, p.H_q = x.size(1), p.H_kv = H_kv, p.T = has_t ? x.size(2) : 1, p.M = M, p.L = L;
   p.bits = static_cast<int>(bits);
   p.group_size = static_cast<int>(group_size);
   p.mode = qmode;
   p.x_dtype = activation_dtype(op, "x", x);
-  p.num_sms = num_sms();
   p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = has_t ? x.stride(2) : 0;
   p.c_sb = codes.stride(0), p.c_sh = codes.stride(1), p.c_sm = codes.stride(2);
   p.s_sb = scales.stride(0), p.s_sh = scales.stride(1), p.s_sm = scales.stride(2);
   if (zeros.has_value()) p.z_sb = zeros->stride(0), p.z_sh = zeros->stride(1), p.z_sm = zeros->stride(2);
   p.xs_sh = x_scale.has_value() ? x_scale->stride(0) : 0;
-  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
-  const int64_t ws_floats = kvk::gemv_inner_q_workspace_floats(p);
-  at::Tensor ws;
-  if (ws_floats > 0) {
-    ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
-    p.workspace = ws.data_ptr<float>();
-    p.workspace_floats = ws_floats;
+  return p;
+}
+
+// Binds y (and the workspace) and launches: `reduction` is the summed length (L or R; 0: y = 0), `need` and `launch`
+// the kernel's workspace rule and launcher (kernels.h).
+template <typename Params>
+void run_gemv(const char* op, Params p, int64_t reduction, const at::Tensor& x, const at::Tensor& y,
+              const std::optional<at::Tensor>& workspace, int64_t (*need)(const Params&),
+              cudaError_t (*launch)(const Params&, cudaStream_t)) {
+  at::Tensor owned;
+  bind_workspace(op, p, y.numel() == 0 || reduction == 0 ? 0 : need(p), workspace, x, owned);
+  if (y.numel() == 0) return;
+  if (reduction == 0) {
+    y.zero_();
+    return;
   }
-  check_launch(op, kvk::launch_gemv_inner_q(p, current_stream()));
+  p.y = y.data_ptr<float>();
+  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = x.dim() == 4 ? y.stride(2) : 0;
+  check_launch(op, launch(p, current_stream()));
+}
+
+void run_inner_q(const char* op, const kvk::GemvInnerQParams& p, const at::Tensor& x, const at::Tensor& y,
+                 const std::optional<at::Tensor>& workspace) {
+  run_gemv(op, p, p.L, x, y, workspace, &kvk::gemv_inner_q_workspace_floats, &kvk::launch_gemv_inner_q);
+}
+
+at::Tensor gemv_inner_q(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                        const std::string& mode, const std::optional<at::Tensor>& x_scale) {
+  const char* op = "gemv_inner_q";
+  kvk::GemvInnerQParams p = inner_q_params(op, x, codes, scales, zeros, bits, group_size, mode, x_scale);
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  p.num_sms = num_sms();
+  at::Tensor y = at::empty(gemv_y_shape(x, p.M), x.options().dtype(at::kFloat));
+  run_inner_q(op, p, x, y, std::nullopt);
   return y;
 }
 
-at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t bits, int64_t group_size) {
-  const char* op = "gemv_kivi";
+void gemv_inner_q_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& zeros, int64_t bits, int64_t group_size,
+                       const std::string& quant_mode, const std::optional<at::Tensor>& x_scale, at::Tensor out,
+                       const std::optional<at::Tensor>& workspace) {
+  const char* op = "gemv_inner_q_into";
+  kvk::GemvInnerQParams p = inner_q_params(op, x, codes, scales, zeros, bits, group_size, quant_mode, x_scale);
+  check_gemv_out(op, out, gemv_y_shape(x, p.M), x,
+                 {{"x", &x}, {"codes", &codes}, {"scales", &scales}, {"zeros", zeros ? &*zeros : nullptr},
+                  {"x_scale", x_scale ? &*x_scale : nullptr}, {"workspace", workspace ? &*workspace : nullptr}});
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  p.num_sms = num_sms();
+  run_inner_q(op, p, x, out, workspace);
+}
+
+kvk::GemvKiviParams kivi_params(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                const at::Tensor& zeros, int64_t bits, int64_t group_size) {
   check_defined(op, "x", x);
   check_defined(op, "codes", codes);
   check_defined(op, "scales", scales);
@@ -353,40 +431,74 @@ at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t C = W / bits * kBlock;
   check_group_size(op, group_size, C, "C (columns)");
   check_group_params(op, scales, zeros, {B, H_kv, R, C / group_size}, true, x.device());
-  const c10::cuda::CUDAGuard device_guard(x.device());
   const bool has_t = x.dim() == 4;
-  const int64_t H_q = x.size(1), T = has_t ? x.size(2) : 1;
-  auto y_shape = x.sizes().vec();
-  y_shape.back() = C;
-  at::Tensor y = at::empty(y_shape, x.options().dtype(at::kFloat));
-  if (y.numel() == 0) return y;
-  if (R == 0) return y.zero_();
-
   kvk::GemvKiviParams p{};
   p.x = x.const_data_ptr();
   p.codes = words(codes);
   p.scales = half_bits(scales);
   p.zeros = half_bits(zeros);
-  p.y = y.data_ptr<float>();
-  p.B = B, p.H_q = H_q, p.H_kv = H_kv, p.T = T, p.R = R, p.C = C;
+  p.B = B, p.H_q = x.size(1), p.H_kv = H_kv, p.T = has_t ? x.size(2) : 1, p.R = R, p.C = C;
   p.bits = static_cast<int>(bits);
   p.group_size = static_cast<int>(group_size);
   p.x_dtype = activation_dtype(op, "x", x);
-  p.num_sms = num_sms();
   p.x_sb = x.stride(0), p.x_sh = x.stride(1), p.x_st = has_t ? x.stride(2) : 0;
   p.c_sb = codes.stride(0), p.c_sh = codes.stride(1), p.c_sr = codes.stride(2);
   p.s_sb = scales.stride(0), p.s_sh = scales.stride(1), p.s_sr = scales.stride(2);
   p.z_sb = zeros.stride(0), p.z_sh = zeros.stride(1), p.z_sr = zeros.stride(2);
-  p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
-  const int64_t ws_floats = kvk::gemv_kivi_workspace_floats(p);
-  at::Tensor ws;
-  if (ws_floats > 0) {
-    ws = at::empty({ws_floats}, x.options().dtype(at::kFloat));
-    p.workspace = ws.data_ptr<float>();
-    p.workspace_floats = ws_floats;
-  }
-  check_launch(op, kvk::launch_gemv_kivi(p, current_stream()));
+  return p;
+}
+
+void run_kivi(const char* op, const kvk::GemvKiviParams& p, const at::Tensor& x, const at::Tensor& y,
+              const std::optional<at::Tensor>& workspace) {
+  run_gemv(op, p, p.R, x, y, workspace, &kvk::gemv_kivi_workspace_floats, &kvk::launch_gemv_kivi);
+}
+
+at::Tensor gemv_kivi(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                     int64_t bits, int64_t group_size) {
+  const char* op = "gemv_kivi";
+  kvk::GemvKiviParams p = kivi_params(op, x, codes, scales, zeros, bits, group_size);
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  p.num_sms = num_sms();
+  at::Tensor y = at::empty(gemv_y_shape(x, p.C), x.options().dtype(at::kFloat));
+  run_kivi(op, p, x, y, std::nullopt);
   return y;
+}
+
+void gemv_kivi_into(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                    int64_t bits, int64_t group_size, at::Tensor out, const std::optional<at::Tensor>& workspace) {
+  const char* op = "gemv_kivi_into";
+  kvk::GemvKiviParams p = kivi_params(op, x, codes, scales, zeros, bits, group_size);
+  check_gemv_out(op, out, gemv_y_shape(x, p.C), x,
+                 {{"x", &x}, {"codes", &codes}, {"scales", &scales}, {"zeros", &zeros},
+                  {"workspace", workspace ? &*workspace : nullptr}});
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  p.num_sms = num_sms();
+  run_kivi(op, p, x, out, workspace);
+}
+
+// Floats of split-K workspace the _into form of `gemv` ("gemv_inner_q" or "gemv_kivi") needs for these arguments
+// (0: no split). It depends on the shapes, the row strides and alignment and the device: ask with the tensors the
+// call will use.
+int64_t gemv_workspace_numel(const std::string& gemv, const at::Tensor& x, const at::Tensor& codes,
+                             const at::Tensor& scales, const std::optional<at::Tensor>& zeros, int64_t bits,
+                             int64_t group_size, const std::string& mode, const std::optional<at::Tensor>& x_scale) {
+  const char* op = "gemv_workspace_numel";
+  if (gemv == "gemv_inner_q") {
+    kvk::GemvInnerQParams p = inner_q_params(op, x, codes, scales, zeros, bits, group_size, mode, x_scale);
+    const c10::cuda::CUDAGuard device_guard(x.device());
+    p.num_sms = num_sms();
+    return p.B * p.H_q * p.T * p.M == 0 || p.L == 0 ? 0 : kvk::gemv_inner_q_workspace_floats(p);
+  }
+  TORCH_CHECK_VALUE(gemv == "gemv_kivi", "kvkernels.", op, ": op must be 'gemv_inner_q' or 'gemv_kivi', got '", gemv,
+                    "'");
+  TORCH_CHECK_VALUE(mode == "asym" && !x_scale.has_value(), "kvkernels.", op,
+                    ": gemv_kivi is asym without x_scale, got mode='", mode, "'",
+                    x_scale.has_value() ? " and an x_scale" : "");
+  TORCH_CHECK_VALUE(zeros.has_value(), "kvkernels.", op, ": gemv_kivi needs zeros");
+  kvk::GemvKiviParams p = kivi_params(op, x, codes, scales, *zeros, bits, group_size);
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  p.num_sms = num_sms();
+  return p.B * p.H_q * p.T * p.C == 0 || p.R == 0 ? 0 : kvk::gemv_kivi_workspace_floats(p);
 }
 
 // ---- lattice GEMVs ---------------------------------------------------------------------------------------------
@@ -748,6 +860,9 @@ TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("dequantize_groups", &kvk_cuda::dequantize_groups);
   m.impl("gemv_inner_q", &kvk_cuda::gemv_inner_q);
   m.impl("gemv_kivi", &kvk_cuda::gemv_kivi);
+  m.impl("gemv_inner_q_into", &kvk_cuda::gemv_inner_q_into);
+  m.impl("gemv_kivi_into", &kvk_cuda::gemv_kivi_into);
+  m.impl("gemv_workspace_numel", &kvk_cuda::gemv_workspace_numel);
   m.impl("gemv_lattice_k", &kvk_cuda::gemv_lattice_k);
   m.impl("gemv_lattice_v", &kvk_cuda::gemv_lattice_v);
   m.impl("aqua_reconstruct", &kvk_cuda::aqua_reconstruct);
