@@ -296,10 +296,11 @@ def test_kivi_ring_and_register_loads(bits, ring, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bits", BITS, ids=lambda b: f"b{b}")
 def test_inner_q_ring_and_register_loads(bits, mode, ring, monkeypatch):
-    # keys (L = 128: the ring's tile stream, a partial last tile) and split values (a len % 128 tail)
+    # keys (L = 128: the ring's tile stream, a partial last tile; L = 64: the head_dim-64 item) and split values (a
+    # len % 128 tail)
     if not ring:
         monkeypatch.setenv("KVKERNELS_GEMV_RING", "0")
-    for B, H_q, H_kv, M, L in ((1, 8, 2, 1000, 128), (2, 4, 1, 128, 2080)):
+    for B, H_q, H_kv, M, L in ((1, 8, 2, 1000, 128), (1, 8, 1, 300, 64), (2, 4, 1, 128, 2080)):
         _inner_q_case(B, H_q, H_kv, None, M, L, bits, 32, mode, torch.float16, x_scale=False, narrow=False, seed=M)
 
 

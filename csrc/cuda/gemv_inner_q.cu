@@ -307,10 +307,16 @@ __device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_
 
 // One warp's stream of n items through its ring: this lane's sources for the next item to copy (code pieces lane and
 // lane + 32 of the 16 x BITS pieces; lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16),
-// their offsets in a slot, and how far the sources move from one item to the next.
-template <int BITS, QuantMode MODE>
+// their offsets in a slot, and how far the sources move from one item to the next. BLOCKS: 32-value blocks per row of
+// an item, 4 (a chunk: 16-byte code pieces, 8 bytes of scales per row) or 2 (keys at head_dim 64, below: 8 and 4).
+template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks>
 struct RingStream {
-  static constexpr int kStages = ring_stages(BITS), kSlot = ring_slot_bytes(BITS, MODE != QuantMode::kSym);
+  static constexpr int kPiece = 4 * BLOCKS;  // bytes of a code piece (a row is BITS pieces)
+  static constexpr int kMeta = 2 * BLOCKS;   // bytes of a row's scales (zeros)
+  static constexpr int kRow = BLOCKS == kChunkBlocks ? ring_row_bytes(BITS) : 8 * BITS + (BITS == 4 ? 16 : 0);
+  static constexpr int kCode = 16 * kRow;
+  static constexpr int kStages = ring_stages(BITS), kSlot = kCode + (MODE != QuantMode::kSym ? 32 : 16) * kMeta;
+  static_assert(kSlot <= ring_slot_bytes(BITS, MODE != QuantMode::kSym), "the planner sizes 128-value slots");
   const char* c0;
   const char* c1;
   const char* m;
@@ -320,12 +326,19 @@ struct RingStream {
   char* ring;
   int n;
 
+  template <int N>
+  static __device__ __forceinline__ void copy(char* dst, const char* src) {
+    if constexpr (N == 16) cp_async16(smem_addr(dst), src);
+    else if constexpr (N == 8) cp_async8(smem_addr(dst), src);
+    else cp_async4(smem_addr(dst), src);
+  }
+
   // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
   __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
-      if (has0) cp_async16(smem_addr(slot + o0), c0);
-      if (has1) cp_async16(smem_addr(slot + o1), c1);
-      if (hasm) cp_async8(smem_addr(slot + om), m);
+      if (has0) copy<kPiece>(slot + o0, c0);
+      if (has1) copy<kPiece>(slot + o1, c1);
+      if (hasm) copy<kMeta>(slot + om, m);
       c0 += dc, c1 += dc, m += dm;
     }
     cp_async_commit();
@@ -335,20 +348,22 @@ struct RingStream {
 // The stream of a tile whose row r (0..15) is row min(row0 + r, last) of the (b, h_kv) slice: codes c_bh (at the
 // first item's chunk), scales s_bh and zeros z_bh (at the first item's group); item k + 1 starts dc_bytes (codes),
 // ds_bytes (scales) and dz_bytes (zeros) after item k.
-template <int BITS, QuantMode MODE>
-__device__ __forceinline__ RingStream<BITS, MODE> ring_stream(char* ring, int n, int64_t row0, int64_t last,
-                                                              const uint32_t* c_bh, int64_t c_sm,
-                                                              const uint16_t* s_bh, int64_t s_sm,
-                                                              const uint16_t* z_bh, int64_t z_sm, int64_t dc_bytes,
-                                                              int64_t ds_bytes, int64_t dz_bytes, int lane) {
+template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks>
+__device__ __forceinline__ RingStream<BITS, MODE, BLOCKS> ring_stream(char* ring, int n, int64_t row0, int64_t last,
+                                                                      const uint32_t* c_bh, int64_t c_sm,
+                                                                      const uint16_t* s_bh, int64_t s_sm,
+                                                                      const uint16_t* z_bh, int64_t z_sm,
+                                                                      int64_t dc_bytes, int64_t ds_bytes,
+                                                                      int64_t dz_bytes, int lane) {
+  using Stream = RingStream<BITS, MODE, BLOCKS>;
   constexpr int kPieces = 16 * BITS;
-  RingStream<BITS, MODE> st;
+  Stream st;
   st.ring = ring;
   st.n = n;
   const auto piece = [&](int pc, const char*& src, int& off) {
     const int r = pc / BITS, k = pc - r * BITS;
-    src = reinterpret_cast<const char*>(c_bh + min(row0 + r, last) * c_sm) + 16 * k;
-    off = r * ring_row_bytes(BITS) + 16 * k;
+    src = reinterpret_cast<const char*>(c_bh + min(row0 + r, last) * c_sm) + Stream::kPiece * k;
+    off = r * Stream::kRow + Stream::kPiece * k;
   };
   st.has0 = lane < kPieces;
   st.has1 = lane + 32 < kPieces;
@@ -361,12 +376,12 @@ __device__ __forceinline__ RingStream<BITS, MODE> ring_stream(char* ring, int n,
   if (lane < 16) {
     st.hasm = true;
     st.m = reinterpret_cast<const char*>(s_bh + r * s_sm);
-    st.om = ring_code_bytes(BITS) + 8 * lane;
+    st.om = Stream::kCode + Stream::kMeta * lane;
     st.dm = ds_bytes;
   } else {
     st.hasm = MODE != QuantMode::kSym;
     st.m = st.hasm ? reinterpret_cast<const char*>(z_bh + r * z_sm) : nullptr;
-    st.om = ring_code_bytes(BITS) + 128 + 8 * (lane - 16);
+    st.om = Stream::kCode + 16 * Stream::kMeta + Stream::kMeta * (lane - 16);
     st.dm = dz_bytes;
   }
   return st;
@@ -409,6 +424,56 @@ __device__ __forceinline__ void ring_compute(const char* slot, int g, const Chun
     zb = *reinterpret_cast<const uint32_t*>(slot + kCode + 128 + 8 * (g + 8) + 2 * x.jj);
   }
   chunk_compute<BITS, MODE, NT, kWide>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
+}
+
+// ---- keys at head_dim 64: a 64-value ring item ----------------------------------------------------------------------
+// L = 64 is two blocks, half a chunk: no main-loop step, so without this the key GEMV of a head_dim-64 model walked
+// the tail loop, one block of 32-bit loads in flight per warp. An item is a whole 16-row tile: the codes as 8-byte
+// pieces (8 x BITS bytes per row), each row's two G = 32 scales (zeros) as one 4-byte piece; the zero term folds per
+// block in fp32 as in the tail (block_mma<ZFOLD>). 4-bit rows are padded to 48 bytes so the 8 rows a warp reads at
+// once (thread t: word 4j + t) fall in distinct banks; the other widths' rows (8, 16, 24 bytes) already do. The
+// stream is RingStream<BITS, MODE, 2>.
+
+// One tile from its slot: rows g and g + 8, blocks 0 and 1 (the register path's word layouts), folded per block.
+template <int BITS, QuantMode MODE, int NT>
+__device__ __forceinline__ void ring64_compute(const char* slot, int g, const ChunkCtx& x, const float* xsum,
+                                               const DecodeConsts& kc, float (&acc)[NT][2]) {
+  constexpr int kRow = RingStream<BITS, MODE, 2>::kRow, kCode = RingStream<BITS, MODE, 2>::kCode;
+  constexpr bool kWide = BITS != 4;
+  ChunkWords<BITS, kWide> wa, wb;  // blocks 0 and 1 filled (gather_chunk reads no further for j < 2)
+  const char* ra = slot + g * kRow;
+  const char* rb = ra + 8 * kRow;
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wa.w[j] = *reinterpret_cast<const uint32_t*>(ra + 4 * (4 * j + x.t));
+      wb.w[j] = *reinterpret_cast<const uint32_t*>(rb + 4 * (4 * j + x.t));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) {
+      const uint2 va = *reinterpret_cast<const uint2*>(ra + 8 * i);
+      const uint2 vb = *reinterpret_cast<const uint2*>(rb + 8 * i);
+      wa.w[2 * i] = va.x, wa.w[2 * i + 1] = va.y;
+      wb.w[2 * i] = vb.x, wb.w[2 * i + 1] = vb.y;
+    }
+  }
+  const uint32_t sa = *reinterpret_cast<const uint32_t*>(slot + kCode + 4 * g);
+  const uint32_t sb = *reinterpret_cast<const uint32_t*>(slot + kCode + 4 * (g + 8));
+  uint32_t za = 0, zb = 0;
+  if constexpr (MODE != QuantMode::kSym) {
+    za = *reinterpret_cast<const uint32_t*>(slot + kCode + 64 + 4 * g);
+    zb = *reinterpret_cast<const uint32_t*>(slot + kCode + 64 + 4 * (g + 8));
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    uint32_t Xa, Xha = 0, Xb, Xhb = 0;
+    gather_chunk(wa, j, x.sel_lo, x.sel_hi, Xa, Xha);
+    gather_chunk(wb, j, x.sel_lo, x.sel_hi, Xb, Xhb);
+    const auto half = [j](uint32_t pair) { return static_cast<uint16_t>(pair >> (16 * j)); };
+    block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, half(sa), half(za), half(sb), half(zb), x.frag + j * 32,
+                                    x.frag_nt_stride, xsum + j, 2, x.t, kc, acc);
+  }
 }
 
 // Result of row g (i = 0) or g + 8 (i = 1) of the tile for n-tile nt: the fp32 sums plus the zero MMA's two columns.
@@ -599,6 +664,19 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         ma += step;
       });
       mt += n * nwarps;
+      } else if (nblk == 2) {  // keys at head_dim 64 (kRing implies G = 32)
+        const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
+        RingStream<BITS, MODE, 2> st =
+            ring_stream<BITS, MODE, 2>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
+                                       step * p.c_sm * 4, step * p.s_sm * 2, step * p.z_sm * 2, lane);
+        run_ring(st, [&](int, const char* slot) {
+          float acc[NT][2], zacc[NT][4];
+          zero_tile(acc, zacc);
+          ring64_compute<BITS, MODE, NT>(slot, g, cx, xsum, kc, acc);
+          store_tile<MODE, NT>(outq, usq, ma, acc, zacc, true, true);
+          ma += step;
+        });
+        mt += n * nwarps;
       }
     } else if (nblk == kChunkBlocks && k.bpg == 1) {
       RowPair r = rows_at(ma, ma + 8);
@@ -703,12 +781,18 @@ bool codes_aligned_16(const GemvInnerQParams& p) {
 
 // The ring copies each row's four scales (and zeros) of a chunk as one 8-byte piece: G = 32, and every scale / zero
 // row of every (b, h_kv) 8-byte aligned (chunks start at multiples of 4 groups).
+// Keys at head_dim 64 (L = 64): 8-byte code pieces and 4-byte scale / zero pieces, so 8- and 4-byte aligned rows.
 bool ring_ok(const GemvInnerQParams& p) {
-  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
+  const bool l64 = p.L == 64;
+  const int64_t a = l64 ? 2 : 4;  // scale / zero row alignment in halves
+  const auto ok = [](int64_t size, int64_t stride, int64_t align) { return size <= 1 || stride % align == 0; };
   const auto meta_ok = [&](const uint16_t* base, int64_t sb, int64_t sh, int64_t sm) {
-    return reinterpret_cast<uintptr_t>(base) % 8 == 0 && ok(p.B, sb) && ok(p.H_kv, sh) && ok(p.M, sm);
+    return reinterpret_cast<uintptr_t>(base) % (2 * a) == 0 && ok(p.B, sb, a) && ok(p.H_kv, sh, a) && ok(p.M, sm, a);
   };
-  return p.L >= kChunk && p.group_size == 32 && codes_aligned_16(p) && meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sm) &&
+  const bool codes_ok = l64 ? reinterpret_cast<uintptr_t>(p.codes) % 8 == 0 && ok(p.B, p.c_sb, 2) &&
+                                  ok(p.H_kv, p.c_sh, 2) && ok(p.M, p.c_sm, 2)
+                            : p.L >= kChunk && codes_aligned_16(p);
+  return codes_ok && p.group_size == 32 && meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sm) &&
          (p.mode == QuantMode::kSym || meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sm));
 }
 

@@ -55,6 +55,17 @@ __device__ __forceinline__ void cp_async8(SmemAddr dst, const void* src) {
 #endif
 }
 
+// 4 bytes global -> shared (cp.async.ca; both addresses 4-byte aligned): a row's two scales of a 64-value item.
+__device__ __forceinline__ void cp_async4(SmemAddr dst, const void* src) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+#elif defined(KVK_EMU)
+  kvk_emu::cp_async(dst, src, 4, 4);
+#else
+  (void)dst, (void)src;
+#endif
+}
+
 // The same, reading only the first `bytes` (0..8) and zero-filling the rest.
 __device__ __forceinline__ void cp_async8_zfill(SmemAddr dst, const void* src, uint32_t bytes) {
 #if defined(__CUDA_ARCH__)

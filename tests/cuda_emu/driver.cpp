@@ -1051,6 +1051,18 @@ int main(int argc, char** argv) {
         inner_q_case(1, 16, 2, 1, true, 24, 1024, bits, 32, qm, XDtype::kBF16, false, 0, 0, 3, 8, false, 1, 1);
       }
     inner_q_case(1, 8, 2, 3, true, 130, 2048, 3, 32, QuantMode::kHybrid, XDtype::kF32, true, 4, 0, 0, 32, false, 1, 1);
+    // keys at head_dim 64 (L = 64: the 64-value item, 8-byte code pieces, the zero term folded per block), every
+    // bits x mode: many tiles per warp on 1 SM and a partial last tile; 8 query rows over 77 rows at batch 2
+    for (int bits = 1; bits <= 4; ++bits)
+      for (int mode = 0; mode < 3; ++mode) {
+        const QuantMode qm = static_cast<QuantMode>(mode);
+        inner_q_case(1, 8, 2, 1, false, 300, 64, bits, 32, qm, (XDtype)(bits % 3), mode == 1, 0, 0, 0, 1, false, 1, 1);
+        inner_q_case(2, 8, 1, 1, true, 77, 64, bits, 32, qm, XDtype::kBF16, false, 0, 0, 0, 8, false, 1, 1);
+      }
+    inner_q_case(1, 4, 1, 1, false, 100, 64, 3, 32, QuantMode::kAsym, XDtype::kF16, false, 1, 0, 0, 8, false, 0, 0);
+    g_meta_pad = 1;  // L = 64 with scale / zero rows 2-byte aligned only: register loads
+    inner_q_case(1, 4, 1, 1, false, 100, 64, 2, 32, QuantMode::kAsym, XDtype::kF16, false, 0, 0, 0, 8, false, 0, 0);
+    g_meta_pad = 4;
     setenv("KVKERNELS_GEMV_PLANNER", "v1", 1);
     inner_q_case(1, 8, 2, 3, true, 130, 2048, 2, 32, QuantMode::kAsym, XDtype::kF32, true, 4, 0, 0, 32, false, 1, 1);
     unsetenv("KVKERNELS_GEMV_PLANNER");
