@@ -18,7 +18,8 @@
 #   generate   bench/generate_step.py: generate() per-token time, fp16 / KVKernelsCache / KVKernelsStaticCache
 #   ncu        Nsight Compute on bench/ncu_gemv.py (VERIFY_NCU_ARGS): throughput, occupancy, stalls per GEMV launch
 #   planner    the GEMV bench (innerq-base / small, kivi2, CUDA) with KVKERNELS_GEMV_PLANNER=v1 (and the ring off),
-#              with KVKERNELS_GEMV_RING=0 (today's planner, no ring), and with neither
+#              with KVKERNELS_GEMV_RING=0 (today's planner, no ring), and with neither; then innerq-base / kivi2 at
+#              head_dim 64 (--model llama-3.2-1b) with the ring off and on
 # then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
 # A session has 15 device-minutes, machine start (~30 s) included: two calls of ~6.5 min, the second at once on the
 # warm machine (it goes back 30 s after a call), e.g.
@@ -301,11 +302,15 @@ if want planner; then
   # the GEMV planner of the first GPU run (KVKERNELS_GEMV_PLANNER=v1, register loads) against today's without the
   # InnerQ cp.async ring (KVKERNELS_GEMV_RING=0) and today's, same machine, same grid
   stage "planner (KVKERNELS_GEMV_PLANNER=v1 + KVKERNELS_GEMV_RING=0 vs KVKERNELS_GEMV_RING=0 vs current)"
-  for which in v1 noring current; do
-    T=$(slot 70 40)
-    KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) KVKERNELS_GEMV_RING=$([ $which = current ] || echo 0) \
-      timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" \
-      --batch 1 8 --seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2 --backends cuda \
+  # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk item, ring off vs on
+  for which in v1 noring current hd64-noring hd64-current; do
+    case $which in
+      hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2) ;;
+      *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2) ;;
+    esac
+    KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) \
+      KVKERNELS_GEMV_RING=$([ "${which#hd64-}" = current ] || echo 0) \
+      timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" --batch 1 8 "${grid[@]}" --backends cuda \
       --budget-s $((T > 30 ? T - 20 : 10)) --no-plots --no-progress >"$WORK/planner-$which.log" 2>&1
     note "planner $which (${T}s cap): $(status_of $?)"
     grep -E '^(method|fp16|innerq|kivi)' "$WORK/planner-$which.log" | cut -c1-170 | sed "s/^/  $which| /" | tee -a "$SUMMARY"
@@ -360,7 +365,7 @@ else:
 EOF
 tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log build-system-compiler.log exceptions.log exceptions-first-build.log failures.log junit.xml demo.log bench.log racecheck.log synccheck.log \
   attention_step.log attention_step.json generate_step.log generate_step.json ncu.log planner-v1.log \
-  planner-noring.log planner-current.log 2>/dev/null)
+  planner-noring.log planner-current.log planner-hd64-noring.log planner-hd64-current.log 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"
 echo

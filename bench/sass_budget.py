@@ -320,6 +320,20 @@ def hot_loops(k: Kernel) -> tuple[Loop | None, Loop | None]:
     return hot, key
 
 
+def half_tile_loop(k: Kernel, hot: Loop, key: Loop | None) -> Loop | None:
+    """The InnerQ key-tile loop at head_dim 64 (L = 64, the ring's half-chunk item), or None: besides the steady-state
+    and L = 128 key-tile loops, the innermost loop that stores its results and holds the most HMMA (about half of the
+    steady state's: 2 of the chunk's 4 blocks; the other such loops are the general tiles' tail, without stores)."""
+    loops = find_loops(k)
+    innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops) and lp not in (hot, key)]
+
+    def n(lp, opname):
+        return sum(1 for _, op, _ in body(k, lp) if op.split(".")[0] == opname)
+
+    cands = [lp for lp in innermost if n(lp, "HMMA") > 0 and n(lp, "STG") > 0]
+    return max(cands, key=lambda lp: (n(lp, "HMMA"), lp.start - lp.end)) if cands else None
+
+
 def model(c: dict[str, int], bytes_per_warp_iter: float, arch: str) -> dict:
     m = MACHINES[arch]
     pipe_cycles = {p: c[p] / m["rates"][p] for p in m["rates"]}
@@ -440,7 +454,7 @@ class Row:
     regs: int
     spill: int
     ctas: int
-    what: str  # "steady state" or "key tile (L=128)"
+    what: str  # "steady state", "key tile (L=128)" or "key tile (L=64)"
     m: dict
     preset: bool
 
@@ -464,11 +478,23 @@ KNOWN_OVER: dict[tuple, float] = {
     # 2- and 3-bit key tiles and the 1-bit loops went 0.1-0.7 over (still 100 % modelled: 10 is the margin budget)
     ("inner_q", 1, "asym", 4, 0, "steady state"): 10.5,
     ("inner_q", 2, "sym", 8, 0, "key tile (L=128)"): 10.9,
-    ("inner_q", 3, "sym", 8, 0, "key tile (L=128)"): 10.3,
-    ("inner_q", 1, "asym", 8, 0, "key tile (L=128)"): 14.5,
+    # 3 sym / 1 asym at 8 rows: 10.3 / 14.5 until the L = 64 ring deepened (+2 instructions each, same L = 128 source)
+    ("inner_q", 3, "sym", 8, 0, "key tile (L=128)"): 10.5,
+    ("inner_q", 1, "asym", 8, 0, "key tile (L=128)"): 14.7,
     # 10.5 until the ring loop moved to kvkernels/code_ring.cuh (same source): ptxas allocates these 128-register rows
     # differently with unrelated changes (that commit: +7 here, -4 and -5 on the 2- and 3-bit sym key tiles)
     ("inner_q", 2, "hybrid", 8, 0, "key tile (L=128)"): 10.8,
+    # keys at head_dim 64 (SmolLM2-135M's shape): the ring's item is half a chunk, so the tile's fixed work (the
+    # ring's copies, the loop, the epilogue: ~45 instructions) weighs twice as much per byte as at 128; 1 bit decodes
+    # 8 bytes a tile. Lever: two 16-row tiles per item (issue 16's note).
+    ("inner_q", 1, "asym", 4, 0, "key tile (L=64)"): 16.2,
+    ("inner_q", 1, "asym", 8, 0, "key tile (L=64)"): 21.2,
+    ("inner_q", 2, "sym", 4, 0, "key tile (L=64)"): 11.5,
+    ("inner_q", 2, "sym", 8, 0, "key tile (L=64)"): 14.2,
+    ("inner_q", 2, "hybrid", 4, 0, "key tile (L=64)"): 11.9,
+    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=64)"): 15.8,
+    ("inner_q", 3, "sym", 4, 0, "key tile (L=64)"): 11.2,
+    ("inner_q", 3, "sym", 8, 0, "key tile (L=64)"): 13.0,
     # KIVI 1 bit through its ring (the preset rows since the ring): 10.6 / 11.7 with register loads, which model
     # latency-bound at 40 % (8 KB in flight per SM); the ring's shared-memory reads add ~8 / ~12 instructions a step
     ("kivi", 1, "asym", 4, 16, "steady state"): 11.1,
@@ -593,14 +619,19 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
         m["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, hot) if op.split(".")[0] in ("LDL", "STL"))
         in_flight(m, k, hot, bytes_per_iteration(s), ctas, s.threads)
         rows.append(Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, "steady state", m, is_preset(s, k.arch)))
-        if key is not None:
-            mt = model(count(body(k, key)), key_tile_bytes(s), k.arch)
-            mt["loop"] = [hex(key.start), hex(key.end)]
-            mt["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, key) if op.split(".")[0] in ("LDL", "STL"))
-            in_flight(mt, k, key, key_tile_bytes(s), ctas, s.threads)
-            rows.append(
-                Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, "key tile (L=128)", mt, is_preset(s, k.arch))
-            )
+        tiles = [(key, "key tile (L=128)", key_tile_bytes(s))]
+        if s.family == "inner_q" and s.ring:  # keys at head_dim 64: the ring's half-chunk item (issue 16)
+            tiles.append((half_tile_loop(k, hot, key), "key tile (L=64)", key_tile_bytes(s) / 2))
+        for loop, what, nbytes in tiles:
+            if loop is None:
+                if what == "key tile (L=64)":
+                    raise RuntimeError(f"no L = 64 key-tile loop found in {k.name} (sm_{k.arch})")
+                continue
+            mt = model(count(body(k, loop)), nbytes, k.arch)
+            mt["loop"] = [hex(loop.start), hex(loop.end)]
+            mt["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, loop) if op.split(".")[0] in ("LDL", "STL"))
+            in_flight(mt, k, loop, nbytes, ctas, s.threads)
+            rows.append(Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, what, mt, is_preset(s, k.arch)))
     return rows
 
 

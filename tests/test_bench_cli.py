@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvkernels import bench
 
@@ -116,6 +117,25 @@ def test_cli_rejects_bad_arguments_up_front(args, message, capsys):
         bench.main(["--quick", "--device", "cpu", "--no-progress", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", sorted(bench.SHAPES))
+@pytest.mark.parametrize("method", ["innerq-base", "kivi2", "fp16"])
+def test_every_shape_builds_parts_that_match_the_reference(shape, method):
+    # the head_dim-64 shapes (--model llama-3.2-1b / smollm2-135m) time the same two GEMVs as llama-3.1-8b
+    s = bench.SHAPES[shape]
+    m = bench.METHODS[method]
+    impl, why = bench.resolve_impl(m, "torch" if m.op is None else "cpp", torch.device("cpu"))  # the compiled CPU op
+    assert why is None
+    parts = bench.build_parts(m, impl, s, 2, 96, torch.device("cpu"))
+    assert [p.name for p in parts] == ["scores", "output"]
+    want = {"scores": (2, s.h_q, 96), "output": (2, s.h_q, s.d)}
+    for p in parts:
+        out = p.fn(p.inputs)
+        assert tuple(out.shape) == want[p.name]
+        assert torch.isfinite(out).all()
+        if p.ref_fn is not None:
+            torch.testing.assert_close(out, p.ref_fn(p.inputs))
 
 
 def test_cli_refuses_a_grid_that_cannot_fit_in_memory(tmp_path, monkeypatch):

@@ -134,9 +134,9 @@ __device__ __forceinline__ void mma_pass(float (&acc)[2][8][4], const uint16_t* 
     const int64_t k0 = static_cast<int64_t>(tile) * kBK;
     const SmemAddr st = base + stage * kStage + dst0;
 #pragma unroll
-    for (int j = 0; j < kAChunks; ++j) cp_async16(st + j * kRowStep * 64, asrc[j] + k0);
+    for (int j = 0; j < kAChunks; ++j) cp_async<16>(st + j * kRowStep * 64, asrc[j] + k0);
 #pragma unroll
-    for (int j = 0; j < kBChunks; ++j) cp_async16(st + kABytes + j * kRowStep * 64, bsrc[j] + k0);
+    for (int j = 0; j < kBChunks; ++j) cp_async<16>(st + kABytes + j * kRowStep * 64, bsrc[j] + k0);
   };
   const auto load_any = [&](int stage, int tile) {  // any tile, the K tail included
     const int64_t k0 = static_cast<int64_t>(tile) * kBK;
@@ -144,9 +144,9 @@ __device__ __forceinline__ void mma_pass(float (&acc)[2][8][4], const uint16_t* 
     const uint32_t bytes = rem >= 8 ? 16u : (rem > 0 ? static_cast<uint32_t>(2 * rem) : 0u);
     const SmemAddr st = base + stage * kStage + dst0;
 #pragma unroll
-    for (int j = 0; j < kAChunks; ++j) cp_async16_zfill(st + j * kRowStep * 64, asrc[j] + k0, bytes);
+    for (int j = 0; j < kAChunks; ++j) cp_async_zfill<16>(st + j * kRowStep * 64, asrc[j] + k0, bytes);
 #pragma unroll
-    for (int j = 0; j < kBChunks; ++j) cp_async16_zfill(st + kABytes + j * kRowStep * 64, bsrc[j] + k0, bytes);
+    for (int j = 0; j < kBChunks; ++j) cp_async_zfill<16>(st + kABytes + j * kRowStep * 64, bsrc[j] + k0, bytes);
   };
 
   // Fragments: lane L addresses row L % 16 (A: token; chunk 2 ks + L / 16) and channel (L / 16) * 8 + L % 8 (B:

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <type_traits>
 
 #include "kvkernels/code_ring.cuh"
 #include "kvkernels/gemv.cuh"
@@ -315,8 +316,15 @@ struct RingStream {
   static constexpr int kMeta = 2 * BLOCKS;   // bytes of a row's scales (zeros)
   static constexpr int kRow = BLOCKS == kChunkBlocks ? ring_row_bytes(BITS) : 8 * BITS + (BITS == 4 ? 16 : 0);
   static constexpr int kCode = 16 * kRow;
-  static constexpr int kStages = ring_stages(BITS), kSlot = kCode + (MODE != QuantMode::kSym ? 32 : 16) * kMeta;
+  static constexpr int kSlot = kCode + (MODE != QuantMode::kSym ? 32 : 16) * kMeta;
+  // Half-chunk items are about half as large: as many stages as the planner's 128-value ring holds, up to twice its
+  // count, so that a warp keeps as many bytes in flight at head_dim 64 as at 128 (3 stages of 64 values left the
+  // 2-bit key tile latency-bound in the SASS model: 15 KB in flight per SM).
+  static constexpr int kWarpBytes = ring_warp_bytes(BITS, MODE != QuantMode::kSym);
+  static constexpr int kFit = kWarpBytes / kSlot, kTwice = 2 * ring_stages(BITS);
+  static constexpr int kStages = BLOCKS == kChunkBlocks ? ring_stages(BITS) : kFit < kTwice ? kFit : kTwice;
   static_assert(kSlot <= ring_slot_bytes(BITS, MODE != QuantMode::kSym), "the planner sizes 128-value slots");
+  static_assert(kStages >= 2 && kStages * kSlot <= kWarpBytes, "the ring fits the planner's per-warp bytes");
   const char* c0;
   const char* c1;
   const char* m;
@@ -326,19 +334,12 @@ struct RingStream {
   char* ring;
   int n;
 
-  template <int N>
-  static __device__ __forceinline__ void copy(char* dst, const char* src) {
-    if constexpr (N == 16) cp_async16(smem_addr(dst), src);
-    else if constexpr (N == 8) cp_async8(smem_addr(dst), src);
-    else cp_async4(smem_addr(dst), src);
-  }
-
   // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
   __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
-      if (has0) copy<kPiece>(slot + o0, c0);
-      if (has1) copy<kPiece>(slot + o1, c1);
-      if (hasm) copy<kMeta>(slot + om, m);
+      if (has0) cp_async<kPiece>(smem_addr(slot + o0), c0);
+      if (has1) cp_async<kPiece>(smem_addr(slot + o1), c1);
+      if (hasm) cp_async<kMeta>(smem_addr(slot + om), m);
       c0 += dc, c1 += dc, m += dm;
     }
     cp_async_commit();
@@ -651,33 +652,31 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     // Keys (L = 4 blocks = one step per row, G = 32): the tile loop itself is the hot loop. Whole tiles only, with
     // pointers advanced by a fixed stride; a last partial tile goes to the general loop below.
     if constexpr (kRing) {
-      if (nblk == kChunkBlocks) {  // the ring's item is a whole tile (kRing implies G = 32)
-      const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
-      RingStream<BITS, MODE> st =
-          ring_stream<BITS, MODE>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
-                                  4 * step * p.c_sm, 2 * step * p.s_sm, 2 * step * p.z_sm, lane);
-      run_ring(st, [&](int, const char* slot) {
-        float acc[NT][2], zacc[NT][4];
-        zero_tile(acc, zacc);
-        ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
-        store_tile<MODE, NT>(outq, usq, ma, acc, zacc, true, true);
-        ma += step;
-      });
-      mt += n * nwarps;
-      } else if (nblk == 2) {  // keys at head_dim 64 (kRing implies G = 32)
+      // the ring's item is a whole tile of BLOCKS 32-value blocks per row: 4 (L = 128) or 2 (L = 64, keys at
+      // head_dim 64); kRing implies G = 32. compute(slot, acc, zacc) adds the item's products.
+      const auto ring_tiles = [&](auto blocks, const auto& compute) {
+        constexpr int BLOCKS = decltype(blocks)::value;
         const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
-        RingStream<BITS, MODE, 2> st =
-            ring_stream<BITS, MODE, 2>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
-                                       step * p.c_sm * 4, step * p.s_sm * 2, step * p.z_sm * 2, lane);
+        RingStream<BITS, MODE, BLOCKS> st =
+            ring_stream<BITS, MODE, BLOCKS>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
+                                            4 * step * p.c_sm, 2 * step * p.s_sm, 2 * step * p.z_sm, lane);
         run_ring(st, [&](int, const char* slot) {
           float acc[NT][2], zacc[NT][4];
           zero_tile(acc, zacc);
-          ring64_compute<BITS, MODE, NT>(slot, g, cx, xsum, kc, acc);
+          compute(slot, acc, zacc);
           store_tile<MODE, NT>(outq, usq, ma, acc, zacc, true, true);
           ma += step;
         });
         mt += n * nwarps;
-      }
+      };
+      if (nblk == kChunkBlocks)
+        ring_tiles(std::integral_constant<int, kChunkBlocks>{}, [&](const char* slot, auto& acc, auto& zacc) {
+          ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
+        });
+      else if (nblk == 2)
+        ring_tiles(std::integral_constant<int, 2>{}, [&](const char* slot, auto& acc, auto&) {
+          ring64_compute<BITS, MODE, NT>(slot, g, cx, xsum, kc, acc);
+        });
     } else if (nblk == kChunkBlocks && k.bpg == 1) {
       RowPair r = rows_at(ma, ma + 8);
       const int64_t dc = step * p.c_sm, ds = step * p.s_sm, dz = step * p.z_sm;
@@ -773,10 +772,9 @@ struct InnerQPlan {
   const char* error;         // non-null: unsupported configuration
 };
 
-// 16-byte code loads need 16-byte aligned rows: the base pointer and every leading stride of more than one row.
-bool codes_aligned_16(const GemvInnerQParams& p) {
-  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
-  return reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.M, p.c_sm);
+// Wide code loads (16-byte vectors, the ring's 16- or 8-byte pieces) need code rows aligned to their width.
+bool codes_aligned(const GemvInnerQParams& p, int64_t align) {
+  return rows_aligned(p.codes, align, sizeof(uint32_t), p.B, p.c_sb, p.H_kv, p.c_sh, p.M, p.c_sm);
 }
 
 // The ring copies each row's four scales (and zeros) of a chunk as one 8-byte piece: G = 32, and every scale / zero
@@ -784,14 +782,11 @@ bool codes_aligned_16(const GemvInnerQParams& p) {
 // Keys at head_dim 64 (L = 64): 8-byte code pieces and 4-byte scale / zero pieces, so 8- and 4-byte aligned rows.
 bool ring_ok(const GemvInnerQParams& p) {
   const bool l64 = p.L == 64;
-  const int64_t a = l64 ? 2 : 4;  // scale / zero row alignment in halves
-  const auto ok = [](int64_t size, int64_t stride, int64_t align) { return size <= 1 || stride % align == 0; };
+  const int64_t meta_align = l64 ? 4 : 8;
   const auto meta_ok = [&](const uint16_t* base, int64_t sb, int64_t sh, int64_t sm) {
-    return reinterpret_cast<uintptr_t>(base) % (2 * a) == 0 && ok(p.B, sb, a) && ok(p.H_kv, sh, a) && ok(p.M, sm, a);
+    return rows_aligned(base, meta_align, sizeof(uint16_t), p.B, sb, p.H_kv, sh, p.M, sm);
   };
-  const bool codes_ok = l64 ? reinterpret_cast<uintptr_t>(p.codes) % 8 == 0 && ok(p.B, p.c_sb, 2) &&
-                                  ok(p.H_kv, p.c_sh, 2) && ok(p.M, p.c_sm, 2)
-                            : p.L >= kChunk && codes_aligned_16(p);
+  const bool codes_ok = l64 ? codes_aligned(p, 8) : p.L >= kChunk && codes_aligned(p, 16);
   return codes_ok && p.group_size == 32 && meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sm) &&
          (p.mode == QuantMode::kSym || meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sm));
 }
@@ -802,7 +797,9 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
   const int64_t qb = gq * pl.t_chunk;
   pl.nt = qb <= 4 ? 1 : 2;  // more query rows loop over 8-row passes in the CTA
-  pl.loads = ring_ok(p) && !gemv_ring_disabled() ? kLoadRing : p.bits != 4 && p.L >= kChunk && codes_aligned_16(p) ? kLoadVec : kLoadWords;
+  pl.loads = ring_ok(p) && !gemv_ring_disabled()                        ? kLoadRing
+             : p.bits != 4 && p.L >= kChunk && codes_aligned(p, 16) ? kLoadVec
+                                                                    : kLoadWords;
   if (select_inner_q_kernel(p.bits, p.mode, pl.nt, pl.loads, &pl.fn) != cudaSuccess) {
     pl.error = "unsupported bits / mode";
     return pl;

@@ -233,9 +233,9 @@ struct KiviRingStream {
 
   __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
-      if (has0) cp_async16_zfill(smem_addr(slot + o0), c0, n0);
-      if (has1) cp_async16_zfill(smem_addr(slot + o1), c1, n1);
-      cp_async8_zfill(smem_addr(slot + om), m, nm);
+      if (has0) cp_async_zfill<16>(smem_addr(slot + o0), c0, n0);
+      if (has1) cp_async_zfill<16>(smem_addr(slot + o1), c1, n1);
+      cp_async_zfill<8>(smem_addr(slot + om), m, nm);
       c0 += dc, c1 += dc, m += dm;
     }
     cp_async_commit();
@@ -527,23 +527,21 @@ size_t kivi_smem(int64_t rows, int nt, int ct, size_t ring_bytes) {
   return 2 * 4 * nt * sizeof(float) + std::max(ring_bytes + stage, reduce);
 }
 
-bool codes_aligned_8(const GemvKiviParams& p) {
-  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 2 == 0; };
-  return reinterpret_cast<uintptr_t>(p.codes) % 8 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.R, p.c_sr);
+// Wide code loads (8-byte vectors, the ring's 16-byte pieces) need code rows aligned to their width.
+bool codes_aligned(const GemvKiviParams& p, int64_t align) {
+  return rows_aligned(p.codes, align, sizeof(uint32_t), p.B, p.c_sb, p.H_kv, p.c_sh, p.R, p.c_sr);
 }
 
 // The ring's pieces: 16-byte code rows (a column tile starts at a multiple of 16 x BITS bytes), and each row's four
 // G = 32 scales (zeros) of a tile as one 8-byte piece. The caches' stores meet this ("cols": capacity a multiple of
 // lcm(G, 128); "rows" at head_dim 128: 16 x BITS-byte rows). 64-column stores (cpl 8) keep the register loads.
 bool kivi_ring_ok(const GemvKiviParams& p, int cpl, int nt) {
-  const auto ok = [](int64_t size, int64_t stride) { return size <= 1 || stride % 4 == 0; };
   const auto meta_ok = [&](const uint16_t* base, int64_t sb, int64_t sh, int64_t sr) {
-    return reinterpret_cast<uintptr_t>(base) % 8 == 0 && ok(p.B, sb) && ok(p.H_kv, sh) && ok(p.R, sr);
+    return rows_aligned(base, 8, sizeof(uint16_t), p.B, sb, p.H_kv, sh, p.R, sr);
   };
   // a k-step of all row lanes is 128 rows: the sources move by 32-bit byte offsets
   const bool strides_ok = 128 * std::max({4 * p.c_sr, 2 * p.s_sr, 2 * p.z_sr}) < (int64_t{1} << 31);
-  return cpl == 16 && kivi_has_ring(p.bits, nt) && p.group_size == 32 &&
-         reinterpret_cast<uintptr_t>(p.codes) % 16 == 0 && ok(p.B, p.c_sb) && ok(p.H_kv, p.c_sh) && ok(p.R, p.c_sr) &&
+  return cpl == 16 && kivi_has_ring(p.bits, nt) && p.group_size == 32 && codes_aligned(p, 16) &&
          meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sr) && meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sr) && strides_ok &&
          !gemv_ring_disabled();
 }
@@ -555,7 +553,7 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   pl.nt = gq * pl.t_chunk <= 4 ? 1 : 2;
   pl.cpl = p.C <= 64 ? 8 : 16;  // 64-column stores (head_dim 64 values): one column tile, no idle lanes
   pl.loads = kivi_ring_ok(p, pl.cpl, pl.nt)                          ? kLoadRing
-             : p.bits == 4 && pl.cpl == 16 && codes_aligned_8(p) ? kLoadVec
+             : p.bits == 4 && pl.cpl == 16 && codes_aligned(p, 8) ? kLoadVec
                                                                  : kLoadWords;
   if (select_kivi_kernel(p.bits, pl.nt, pl.cpl, pl.loads, &pl.fn) != cudaSuccess) {
     pl.error = "unsupported bits";

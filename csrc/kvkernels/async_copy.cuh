@@ -22,56 +22,33 @@ using SmemAddr = char*;
 inline SmemAddr smem_addr(const void* p) { return static_cast<char*>(const_cast<void*>(p)); }
 #endif
 
-// 16 bytes global -> shared (cp.async.cg: through L2 only; both addresses 16-byte aligned).
-__device__ __forceinline__ void cp_async16(SmemAddr dst, const void* src) {
+// N bytes (16, 8 or 4) global -> shared, both addresses N-byte aligned. 16-byte pieces go through L2 only
+// (cp.async.cg, which takes no other size): the code rows of the rings and aqua's GEMM tiles; 8- and 4-byte pieces
+// (scales and zero points) through L1 (cp.async.ca).
+template <int N>
+__device__ __forceinline__ void cp_async(SmemAddr dst, const void* src) {
+  static_assert(N == 16 || N == 8 || N == 4, "cp.async copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  if constexpr (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(N));
 #elif defined(KVK_EMU)
-  kvk_emu::cp_async(dst, src, 16, 16);
+  kvk_emu::cp_async(dst, src, N, N);
 #else
   (void)dst, (void)src;  // host pass of nvcc: never called
 #endif
 }
 
-// The same, reading only the first `bytes` (0..16) and zero-filling the rest (src-size).
-__device__ __forceinline__ void cp_async16_zfill(SmemAddr dst, const void* src, uint32_t bytes) {
+// The same, reading only the first `bytes` (0..N) of the source and zero-filling the rest (src-size): the last,
+// partial tile of a row.
+template <int N>
+__device__ __forceinline__ void cp_async_zfill(SmemAddr dst, const void* src, uint32_t bytes) {
+  static_assert(N == 16 || N == 8 || N == 4, "cp.async copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(bytes));
 #elif defined(KVK_EMU)
-  kvk_emu::cp_async(dst, src, bytes, 16);
-#else
-  (void)dst, (void)src, (void)bytes;
-#endif
-}
-
-// 8 bytes global -> shared (cp.async.ca; both addresses 8-byte aligned): scales and zero points.
-__device__ __forceinline__ void cp_async8(SmemAddr dst, const void* src) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
-#elif defined(KVK_EMU)
-  kvk_emu::cp_async(dst, src, 8, 8);
-#else
-  (void)dst, (void)src;
-#endif
-}
-
-// 4 bytes global -> shared (cp.async.ca; both addresses 4-byte aligned): a row's two scales of a 64-value item.
-__device__ __forceinline__ void cp_async4(SmemAddr dst, const void* src) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
-#elif defined(KVK_EMU)
-  kvk_emu::cp_async(dst, src, 4, 4);
-#else
-  (void)dst, (void)src;
-#endif
-}
-
-// The same, reading only the first `bytes` (0..8) and zero-filling the rest.
-__device__ __forceinline__ void cp_async8_zfill(SmemAddr dst, const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-#elif defined(KVK_EMU)
-  kvk_emu::cp_async(dst, src, bytes, 8);
+  kvk_emu::cp_async(dst, src, bytes, N);
 #else
   (void)dst, (void)src, (void)bytes;
 #endif

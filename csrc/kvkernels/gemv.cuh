@@ -78,6 +78,15 @@ void clear_launch_error();
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+// Host planning: true when every row of a [n0, n1, n2, row] tensor starts `align`-byte aligned, i.e. the base pointer
+// and the stride (in elements of elem_bytes) of every dim longer than one are multiples of it. The wide-load and
+// cp.async paths of the GEMVs ask this of their code / scale / zero rows.
+inline bool rows_aligned(const void* base, int64_t align, int64_t elem_bytes, int64_t n0, int64_t s0, int64_t n1,
+                         int64_t s1, int64_t n2, int64_t s2) {
+  const auto ok = [&](int64_t n, int64_t s) { return n <= 1 || (s * elem_bytes) % align == 0; };
+  return reinterpret_cast<uintptr_t>(base) % align == 0 && ok(n0, s0) && ok(n1, s1) && ok(n2, s2);
+}
+
 // ---- groups of 32-value blocks without a division -------------------------------------------------------------
 // A group of G values is bpg = G / 32 blocks. block_group_magic(bpg) = ceil(2^32 / bpg) (0 for bpg = 1), and the group
 // of block n is umulhi(n, magic), exact for n < 2^32 / bpg (the launchers keep block indices below that).

@@ -1059,6 +1059,9 @@ int main(int argc, char** argv) {
         inner_q_case(1, 8, 2, 1, false, 300, 64, bits, 32, qm, (XDtype)(bits % 3), mode == 1, 0, 0, 0, 1, false, 1, 1);
         inner_q_case(2, 8, 1, 1, true, 77, 64, bits, 32, qm, XDtype::kBF16, false, 0, 0, 0, 8, false, 1, 1);
       }
+    // ... and rings deeper than at L = 128 (5-12 stages: RingStream's kStages), wrapped several times: 6000 rows on 1 SM
+    for (int bits : {1, 3, 4})
+      inner_q_case(1, 4, 1, 1, false, 6000, 64, bits, 32, QuantMode::kAsym, XDtype::kF16, true, 0, 0, 0, 1, false, 1, 1);
     inner_q_case(1, 4, 1, 1, false, 100, 64, 3, 32, QuantMode::kAsym, XDtype::kF16, false, 1, 0, 0, 8, false, 0, 0);
     g_meta_pad = 1;  // L = 64 with scale / zero rows 2-byte aligned only: register loads
     inner_q_case(1, 4, 1, 1, false, 100, 64, 2, 32, QuantMode::kAsym, XDtype::kF16, false, 0, 0, 0, 8, false, 0, 0);
