@@ -124,6 +124,14 @@ def record(rows: int) -> list[Launch]:
 
 
 # ---- bytes of one loop iteration of one CTA ---------------------------------------------------------------------
+def inner_q_values(c: dict) -> int:
+    """Values along L one main-loop iteration of the InnerQ kernel consumes: VALS (whole chunks of BK) at <= 16 query
+    rows, else one chunk (as the kernel's NCH); kernels before VALS: one chunk of BK; the first kernel: NB blocks."""
+    if "BK" not in c:
+        return 32 * c["NB"]
+    return max(c["BK"], c["VALS"]) if "VALS" in c and c["QP"] <= 16 else c["BK"]
+
+
 def tile_bytes(kernel: str, c: dict) -> tuple[float, str]:
     """Compulsory bytes (codes + fp16 scales + fp16 zeros) one loop iteration of one CTA consumes, and the tile."""
     bits, G = c["BITS"], c["GROUP"]
@@ -131,7 +139,7 @@ def tile_bytes(kernel: str, c: dict) -> tuple[float, str]:
         mode = c.get("MODE", 0)
         params = 2 if mode == 0 else 4
         rows = c["BLOCK_M"]
-        vals = c["BK"] if "BK" in c else 32 * c["NB"]  # values along L per iteration (old kernel: NB blocks)
+        vals = inner_q_values(c)
         return rows * (vals * bits / 8 + params * vals / G), f"{rows} rows x {vals} values"
     if kernel == "_gemv_kivi_kernel":
         rows = c["BLOCK_R"]
@@ -183,7 +191,7 @@ def expected_mma(kernel: str, c: dict, warps: int, arch: int) -> int | None:
     if kernel != "_gemv_inner_q_kernel" or "XPARTS" not in c:
         return None
     if arch >= 90 and c["BLOCK_M"] % 64 == 0:
-        return (c["BLOCK_M"] // 64) // max(1, warps // 4) * (c["BK"] // 16) * c["XPARTS"]
+        return (c["BLOCK_M"] // 64) // max(1, warps // 4) * (inner_q_values(c) // 16) * c["XPARTS"]
     return None
 
 

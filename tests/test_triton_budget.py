@@ -75,9 +75,11 @@ def test_one_launch_parses_a_loop(tb):
     assert row.regs > 0 and row.spill == 0
     # the loop of the tensor-core kernel: its MMAs (sm_90: warpgroup HGMMA), code loads, no shuffles, no local memory
     assert row.m["mma"] > 0, row.m
-    assert row.m["shfl"] <= 8 and row.m["local_memory_in_loop"] == 0
-    assert 20 < c["issue"] < 2000
-    # bytes of one iteration: 64 rows x 32 values x 4 bits + fp16 scale and zero per row (group 32)
-    nbytes, _ = tb.tile_bytes("_gemv_inner_q_kernel", {**ln.constexprs})
-    assert nbytes == ln.constexprs["BLOCK_M"] * (32 * 4 / 8 + 4)
+    # an iteration is VALS = 128 values of L: 4 chunks of one group (32), each with its x-sum (the zero term)
+    assert ln.constexprs["VALS"] == 128 and ln.constexprs["BK"] == 32
+    assert row.m["shfl"] <= 4 * 8 and row.m["local_memory_in_loop"] == 0
+    assert 20 < c["issue"] < 4000
+    # bytes of one iteration: 64 rows x 128 values x 4 bits + fp16 scale and zero per row and group of 32
+    nbytes, tile = tb.tile_bytes("_gemv_inner_q_kernel", {**ln.constexprs})
+    assert nbytes == ln.constexprs["BLOCK_M"] * (128 * 4 / 8 + 4 * 4) and tile.endswith("x 128 values")
     assert row.m["instr_per_byte"] == pytest.approx(c["issue"] * 32 * row.warps / nbytes)

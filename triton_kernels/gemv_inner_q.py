@@ -16,11 +16,13 @@ divides the group size G, so a chunk is inside one group), and per chunk:
 - applies the group's fp16 scale once to the chunk's [BLOCK_M, QP] dot, plus zeff times the chunk's x-sums
   (asym / hybrid): two FMAs per output per chunk.
 
-The reduction of the chunk stays inside the MMA (no cross-lane shuffles in the loop). Tiles: BLOCK_M, num_warps and
-num_stages are autotuned (_CONFIGS) per (bits, mode, L bucket, query rows); BK = the largest of 128 / 64 / 32 that
-divides G. When B * H_kv * cdiv(M, BLOCK_M) is too few programs to fill the GPU (the value GEMV: M = head_dim,
-L = tokens), L is split across `splits` programs that write fp32 partials [splits, B, H_q, T, M], summed afterwards
-in a fixed order (deterministic); the split does not depend on the tuned config.
+The reduction of the chunk stays inside the MMA (no cross-lane shuffles in the loop but the x-sums of asym / hybrid).
+The main loop takes VALS values (VALS / BK chunks, unrolled) per iteration at up to 16 query rows, the split's last
+chunks one by one. Tiles: BLOCK_M, VALS, num_warps and num_stages are autotuned (_CONFIGS) per (bits, mode, L bucket,
+query rows); BK = the largest of 128 / 64 / 32 that divides G. When B * H_kv * cdiv(M, BLOCK_M) is too few programs to
+fill the GPU (the value GEMV: M = head_dim, L = tokens), L is split across `splits` programs that write fp32 partials
+[splits, B, H_q, T, M], summed afterwards in a fixed order (deterministic); the split does not depend on the tuned
+config.
 """
 
 import torch
@@ -50,19 +52,56 @@ from ._common import (
 
 _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
 
-# Autotune configs (BLOCK_M code rows per program, num_warps, num_stages). One warp's MMA tile is 16 rows, so
-# BLOCK_M = 16 * num_warps keeps every warp busy on its own rows; 64 rows x 4 warps is the default (the only config
-# under TRITON_INTERPRET=1, where tuning would only multiply test time), 128 x 8 halves the per-row overhead of the
-# activations' split at 8+ query rows, 32 x 2 gives short-M launches (the value GEMV at head_dim 64) more programs.
+# Autotune configs (BLOCK_M code rows per program, VALS values of L per loop iteration, num_warps, num_stages). One
+# warp's MMA tile is 16 rows, so BLOCK_M = 16 * num_warps keeps every warp busy on its own rows; 64 rows x 4 warps is
+# the default (the only config under TRITON_INTERPRET=1, where tuning would only multiply test time), 128 x 8 halves
+# the per-row overhead of the activations' split at 8+ query rows, 32 x 2 gives short-M launches (the value GEMV at
+# head_dim 64) more programs, with 64 values per iteration (128 spilled 8 B there).
 _CONFIGS = [
-    triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 32}, num_warps=2, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "VALS": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "VALS": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 32, "VALS": 64}, num_warps=2, num_stages=4),
 ]
 # Bit widths decoded by unpack_pairs; 1 and 3 bits compile to fewer instructions per byte with unpack_tile
 # (bench/triton_budget.py: the pair tree's joins cost shared-memory round trips at 16 pairs per word / block).
 _PAIR_BITS = (2, 4)
 _SPLIT_BLOCK_M = 64  # the tile the split of L is planned with (independent of the config the autotuner picks)
+
+
+@triton.jit
+def _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row, zeros_ptr, z_row,
+           BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_XS: tl.constexpr, BK: tl.constexpr,
+           DOT16: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
+    """acc + the chunk of BK values of L from l0 on (inside one group): the loop body of _gemv_inner_q_kernel."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    QP: tl.constexpr = acc.shape[1]
+    l = l0 + kv
+    xv = tl.load(x_ptr + x_row[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [BK, QP]
+    if HAS_XS:
+        xv *= tl.load(xs_ptr + xs_row + l)[:, None]
+
+    # [BLOCK_M, BK] exact 16-bit codes; sym: signed, sum_l (s u_l - s 2^(b-1)) x_l = s * dot(u - 2^(b-1), x)
+    OFF: tl.constexpr = 1 << (BITS - 1)
+    c_off: tl.constexpr = OFF if MODE == 0 else 0
+    if PAIRS:
+        ua = unpack_pairs(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
+    else:
+        ua = codes_to_dot(unpack_tile(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, BITS, BK), c_off, DOT16, EMU)
+    d = split_dot(ua, xv, tl.zeros((BLOCK_M, QP), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, QP]
+
+    g = l0 // GROUP
+    scale_bits = tl.load(scales_ptr + s_row + g, mask=m_ok, other=0)  # [BLOCK_M]
+    if MODE == 0:
+        zero = scale_bits  # unused by sym
+    else:
+        zero = tl.load(zeros_ptr + z_row + g, mask=m_ok, other=0.0)
+    s, zeff = group_affine(scale_bits, zero, BITS, MODE)
+    if MODE == 0:
+        acc += s[:, None] * d
+    else:
+        xsum = tl.sum(xv, axis=0)  # [QP]
+        acc += s[:, None] * d + zeff[:, None] * xsum[None, :]
+    return acc
 
 
 @triton.jit
@@ -106,12 +145,13 @@ def _gemv_inner_q_kernel(
     MODE: tl.constexpr,  # 0 sym, 1 asym, 2 hybrid
     HAS_XS: tl.constexpr,
     QP: tl.constexpr,  # max(8, next_pow2(Q)): the MMA's N
-    BK: tl.constexpr,  # values of L per iteration, divides GROUP
+    BK: tl.constexpr,  # values of L per chunk, divides GROUP
     DOT16: tl.constexpr,  # 0: fp16 operands, 1: bf16
     XPARTS: tl.constexpr,  # 1: x is exactly the 16-bit type, 3: fp32 x as three bf16 parts
     EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
     PAIRS: tl.constexpr,  # decode two codes per 32-bit operation (unpack_pairs) instead of one (unpack_tile)
     BLOCK_M: tl.constexpr,
+    VALS: tl.constexpr,  # values of L per main-loop iteration: NCH = VALS / BK chunks (one at QP > 16)
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -125,7 +165,6 @@ def _gemv_inner_q_kernel(
     c_rows = codes_ptr + (b * sc_b + h_kv * sc_h + m64 * sc_m)  # [BLOCK_M] pointers
     s_row = b * ss_b + h_kv * ss_h + m64 * ss_m
     z_row = b * sz_b + h_kv * sz_h + m64 * sz_m
-    OFF: tl.constexpr = 1 << (BITS - 1)
 
     if PAIRS:
         kv = pair_perm(tl.arange(0, BK), BITS)  # the value each position of the unpacked tile holds
@@ -134,34 +173,21 @@ def _gemv_inner_q_kernel(
     acc = tl.zeros((BLOCK_M, QP), dtype=tl.float32)
     l_lo = pid_s * per_split
     l_hi = tl.minimum(l_lo + per_split, L)
-    for l0 in range(l_lo, l_hi, BK):
-        l = l0 + kv
-        xv = tl.load(x_ptr + x_row[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [BK, QP]
-        if HAS_XS:
-            xv *= tl.load(xs_ptr + h_kv * sxs_h + l)[:, None]
-
-        # [BLOCK_M, BK] exact 16-bit codes; sym: signed, sum_l (s u_l - s 2^(b-1)) x_l = s * dot(u - 2^(b-1), x)
-        c_off = OFF if MODE == 0 else 0
-        if PAIRS:
-            ua = unpack_pairs(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
-        else:
-            ua = codes_to_dot(
-                unpack_tile(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, BITS, BK), c_off, DOT16, EMU
-            )
-        d = split_dot(ua, xv, tl.zeros((BLOCK_M, QP), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, QP]
-
-        g = l0 // GROUP
-        scale_bits = tl.load(scales_ptr + s_row + g, mask=m_ok, other=0)  # [BLOCK_M]
-        if MODE == 0:
-            zero = scale_bits  # unused by sym
-        else:
-            zero = tl.load(zeros_ptr + z_row + g, mask=m_ok, other=0.0)
-        s, zeff = group_affine(scale_bits, zero, BITS, MODE)
-        if MODE == 0:
-            acc += s[:, None] * d
-        else:
-            xsum = tl.sum(xv, axis=0)  # [QP]
-            acc += s[:, None] * d + zeff[:, None] * xsum[None, :]
+    # at 32+ query rows the accumulator is large and the loop's work already shared by many rows: one chunk (four
+    # spilled 32 B at 64 rows x 128 x 8 warps, tests/test_triton_compile.py)
+    NCH: tl.constexpr = VALS // BK if VALS > BK and QP <= 16 else 1
+    l_mid = l_lo + (l_hi - l_lo) // (BK * NCH) * (BK * NCH)
+    xs_row = h_kv * sxs_h
+    # NCH chunks (one group each) per iteration: the loop's own work (addresses, bounds, the pipeline's waits) once
+    # per VALS values instead of per group (bench/triton_budget.py, default config: 43.4 -> 37.7 instructions/byte
+    # at 3 bits, 31.2 -> 25.8 at 2, 17.7 -> 16.1 at 4); the split's last < NCH chunks one by one
+    for l00 in range(l_lo, l_mid, BK * NCH):
+        for j in tl.static_range(NCH):
+            acc = _chunk(acc, l00 + j * BK, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row,
+                         zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU, PAIRS)  # fmt: skip
+    for l0 in range(l_mid, l_hi, BK):
+        acc = _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row, zeros_ptr,
+                     z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU, PAIRS)  # fmt: skip
 
     y_row = pid_s.to(tl.int64) * sy_s + b * sy_b + h_q * sy_h + t * sy_t
     tl.store(y_ptr + y_row[None, :] + m64[:, None], acc, mask=m_ok[:, None] & q_ok[None, :])
