@@ -302,8 +302,9 @@ if want planner; then
   # the GEMV planner of the first GPU run (KVKERNELS_GEMV_PLANNER=v1, register loads) against today's without the
   # InnerQ cp.async ring (KVKERNELS_GEMV_RING=0) and today's, same machine, same grid
   stage "planner (KVKERNELS_GEMV_PLANNER=v1 + KVKERNELS_GEMV_RING=0 vs KVKERNELS_GEMV_RING=0 vs current)"
-  # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk item, ring off vs on
-  for which in v1 noring current hd64-noring hd64-current; do
+  # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk item, ring off vs on.
+  # The rings' A/B first, the first run's planner (v1) last: the stage gets what the budget has left
+  for which in noring current hd64-noring hd64-current v1; do
     case $which in
       hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2) ;;
       *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2) ;;
