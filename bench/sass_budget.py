@@ -294,6 +294,11 @@ def count(ins: list[tuple[int, str, str]]) -> dict[str, int]:
     return c
 
 
+def op_count(k: Kernel, lp: Loop, opname: str) -> int:
+    """Instructions of loop lp whose opcode (before the first '.') is opname."""
+    return sum(1 for _, op, _ in body(k, lp) if op.split(".")[0] == opname)
+
+
 def hot_loops(k: Kernel) -> tuple[Loop | None, Loop | None]:
     """(steady-state loop, key-tile loop or None).
 
@@ -304,18 +309,15 @@ def hot_loops(k: Kernel) -> tuple[Loop | None, Loop | None]:
     loops = find_loops(k)
     innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops)]
 
-    def n(lp, opname):
-        return sum(1 for _, op, _ in body(k, lp) if op.split(".")[0] == opname)
-
     marker = "HMMA" if any(op.startswith("HMMA") for _, op, _ in k.instrs) else "LDG"
-    cands = [lp for lp in innermost if n(lp, marker) > 0]
+    cands = [lp for lp in innermost if op_count(k, lp, marker) > 0]
     if not cands:
         return None, None
-    most = max(n(lp, marker) for lp in cands)
-    top = [lp for lp in cands if n(lp, marker) == most]
-    steady = [lp for lp in top if n(lp, "STG") == 0] or top
+    most = max(op_count(k, lp, marker) for lp in cands)
+    top = [lp for lp in cands if op_count(k, lp, marker) == most]
+    steady = [lp for lp in top if op_count(k, lp, "STG") == 0] or top
     hot = min(steady, key=lambda lp: lp.end - lp.start)
-    tiles = [lp for lp in top if n(lp, "STG") > 0 and lp != hot]
+    tiles = [lp for lp in top if op_count(k, lp, "STG") > 0 and lp != hot]
     key = min(tiles, key=lambda lp: lp.end - lp.start) if tiles else None
     return hot, key
 
@@ -326,12 +328,8 @@ def half_tile_loop(k: Kernel, hot: Loop, key: Loop | None) -> Loop | None:
     steady state's: 2 of the chunk's 4 blocks; the other such loops are the general tiles' tail, without stores)."""
     loops = find_loops(k)
     innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops) and lp not in (hot, key)]
-
-    def n(lp, opname):
-        return sum(1 for _, op, _ in body(k, lp) if op.split(".")[0] == opname)
-
-    cands = [lp for lp in innermost if n(lp, "HMMA") > 0 and n(lp, "STG") > 0]
-    return max(cands, key=lambda lp: (n(lp, "HMMA"), lp.start - lp.end)) if cands else None
+    cands = [lp for lp in innermost if op_count(k, lp, "HMMA") > 0 and op_count(k, lp, "STG") > 0]
+    return max(cands, key=lambda lp: (op_count(k, lp, "HMMA"), lp.start - lp.end)) if cands else None
 
 
 def model(c: dict[str, int], bytes_per_warp_iter: float, arch: str) -> dict:
@@ -619,14 +617,13 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
         m["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, hot) if op.split(".")[0] in ("LDL", "STL"))
         in_flight(m, k, hot, bytes_per_iteration(s), ctas, s.threads)
         rows.append(Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, "steady state", m, is_preset(s, k.arch)))
-        tiles = [(key, "key tile (L=128)", key_tile_bytes(s))]
+        tiles = [] if key is None else [(key, "key tile (L=128)", key_tile_bytes(s))]
         if s.family == "inner_q" and s.ring:  # keys at head_dim 64: the ring's half-chunk item (issue 16)
-            tiles.append((half_tile_loop(k, hot, key), "key tile (L=64)", key_tile_bytes(s) / 2))
+            half = half_tile_loop(k, hot, key)
+            if half is None:
+                raise RuntimeError(f"no L = 64 key-tile loop found in {k.name} (sm_{k.arch})")
+            tiles.append((half, "key tile (L=64)", key_tile_bytes(s) / 2))
         for loop, what, nbytes in tiles:
-            if loop is None:
-                if what == "key tile (L=64)":
-                    raise RuntimeError(f"no L = 64 key-tile loop found in {k.name} (sm_{k.arch})")
-                continue
             mt = model(count(body(k, loop)), nbytes, k.arch)
             mt["loop"] = [hex(loop.start), hex(loop.end)]
             mt["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, loop) if op.split(".")[0] in ("LDL", "STL"))

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <type_traits>
 
 #include "kvkernels/code_ring.cuh"
@@ -388,31 +389,42 @@ __device__ __forceinline__ RingStream<BITS, MODE, BLOCKS> ring_stream(char* ring
   return st;
 }
 
+// Rows g and g + 8 of an item's codes from its slot, in the register path's word layouts (every word at 1-3 bits, word
+// 4j + t of block j at 4 bits): BLOCKS 32-value blocks per row, read in the pieces they were copied in (16 bytes for a
+// chunk, 8 for keys at head_dim 64).
+template <int BITS, QuantMode MODE, int BLOCKS>
+__device__ __forceinline__ void slot_rows(const char* slot, int g, int t, ChunkWords<BITS, BITS != 4>& wa,
+                                          ChunkWords<BITS, BITS != 4>& wb) {
+  constexpr int kRow = RingStream<BITS, MODE, BLOCKS>::kRow;
+  const char* ra = slot + g * kRow;
+  const char* rb = ra + 8 * kRow;
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int j = 0; j < BLOCKS; ++j) {
+      wa.w[j] = *reinterpret_cast<const uint32_t*>(ra + 4 * (4 * j + t));
+      wb.w[j] = *reinterpret_cast<const uint32_t*>(rb + 4 * (4 * j + t));
+    }
+  } else {
+    using Piece = std::conditional_t<BLOCKS == kChunkBlocks, uint4, uint2>;
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) {
+      const Piece va = *reinterpret_cast<const Piece*>(ra + sizeof(Piece) * i);
+      const Piece vb = *reinterpret_cast<const Piece*>(rb + sizeof(Piece) * i);
+      memcpy(&wa.w[BLOCKS * i], &va, sizeof(Piece));
+      memcpy(&wb.w[BLOCKS * i], &vb, sizeof(Piece));
+    }
+  }
+}
+
 // One item from its slot: the two rows' words (the register path's layouts: every word at 1-3 bits, word 4j + t of
 // block j at 4 bits), scales, zero pairs; then the step's arithmetic.
 template <int BITS, QuantMode MODE, int NT>
 __device__ __forceinline__ void ring_compute(const char* slot, int g, const ChunkCtx& x, const DecodeConsts& kc,
                                              float (&acc)[NT][2], float (&zacc)[NT][4]) {
-  constexpr int kRow = ring_row_bytes(BITS), kCode = ring_code_bytes(BITS);
+  constexpr int kCode = ring_code_bytes(BITS);
   constexpr bool kWide = BITS != 4;
   ChunkWords<BITS, kWide> wa, wb;
-  const char* ra = slot + g * kRow;
-  const char* rb = ra + 8 * kRow;
-  if constexpr (BITS == 4) {
-#pragma unroll
-    for (int j = 0; j < kChunkBlocks; ++j) {
-      wa.w[j] = *reinterpret_cast<const uint32_t*>(ra + 4 * (4 * j + x.t));
-      wb.w[j] = *reinterpret_cast<const uint32_t*>(rb + 4 * (4 * j + x.t));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < BITS; ++i) {
-      const uint4 va = *reinterpret_cast<const uint4*>(ra + 16 * i);
-      const uint4 vb = *reinterpret_cast<const uint4*>(rb + 16 * i);
-      wa.w[4 * i] = va.x, wa.w[4 * i + 1] = va.y, wa.w[4 * i + 2] = va.z, wa.w[4 * i + 3] = va.w;
-      wb.w[4 * i] = vb.x, wb.w[4 * i + 1] = vb.y, wb.w[4 * i + 2] = vb.z, wb.w[4 * i + 3] = vb.w;
-    }
-  }
+  slot_rows<BITS, MODE, kChunkBlocks>(slot, g, x.t, wa, wb);
   const uint2 sva = *reinterpret_cast<const uint2*>(slot + kCode + 8 * g);
   const uint2 svb = *reinterpret_cast<const uint2*>(slot + kCode + 8 * (g + 8));
   const uint16_t sa[kChunkBlocks] = {static_cast<uint16_t>(sva.x), static_cast<uint16_t>(sva.x >> 16),
@@ -439,26 +451,10 @@ __device__ __forceinline__ void ring_compute(const char* slot, int g, const Chun
 template <int BITS, QuantMode MODE, int NT>
 __device__ __forceinline__ void ring64_compute(const char* slot, int g, const ChunkCtx& x, const float* xsum,
                                                const DecodeConsts& kc, float (&acc)[NT][2]) {
-  constexpr int kRow = RingStream<BITS, MODE, 2>::kRow, kCode = RingStream<BITS, MODE, 2>::kCode;
+  constexpr int kCode = RingStream<BITS, MODE, 2>::kCode;
   constexpr bool kWide = BITS != 4;
   ChunkWords<BITS, kWide> wa, wb;  // blocks 0 and 1 filled (gather_chunk reads no further for j < 2)
-  const char* ra = slot + g * kRow;
-  const char* rb = ra + 8 * kRow;
-  if constexpr (BITS == 4) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      wa.w[j] = *reinterpret_cast<const uint32_t*>(ra + 4 * (4 * j + x.t));
-      wb.w[j] = *reinterpret_cast<const uint32_t*>(rb + 4 * (4 * j + x.t));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < BITS; ++i) {
-      const uint2 va = *reinterpret_cast<const uint2*>(ra + 8 * i);
-      const uint2 vb = *reinterpret_cast<const uint2*>(rb + 8 * i);
-      wa.w[2 * i] = va.x, wa.w[2 * i + 1] = va.y;
-      wb.w[2 * i] = vb.x, wb.w[2 * i + 1] = vb.y;
-    }
-  }
+  slot_rows<BITS, MODE, 2>(slot, g, x.t, wa, wb);
   const uint32_t sa = *reinterpret_cast<const uint32_t*>(slot + kCode + 4 * g);
   const uint32_t sb = *reinterpret_cast<const uint32_t*>(slot + kCode + 4 * (g + 8));
   uint32_t za = 0, zb = 0;
