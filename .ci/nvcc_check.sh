@@ -125,7 +125,7 @@ done
 # with 64/128-bit loads. A change that made the compiler split them into 32-bit loads would cost bandwidth, not
 # correctness, so no test would notice: read the SASS. VEC is the last template argument: gemv_kivi's bool
 # (mangled "Lb1EEE"), gemv_inner_q's int LOADS (1 "Li1EEE": 16-byte loads to registers; 2 "Li2EEE": the cp.async
-# ring, whose codes must arrive by 16-byte LDGSTS).
+# ring, whose codes must arrive by 16-byte LDGSTS; 3 "Li3EEE": the ring's head_dim-64 key kernel, 8-byte LDGSTS).
 echo
 CUOBJDUMP="$(command -v cuobjdump || ls "$(dirname "$(readlink -f "$NVCC")")/cuobjdump" \
   .venv/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -n 1)"
@@ -139,12 +139,15 @@ else
     [[ "$(basename "$o")" == gemv_lattice.o ]] && continue
     "$CUOBJDUMP" -sass "$o" | awk '
       /code for sm_/ { arch = $3 }
-      /Function : / { fn = $3; if (fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 } if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 } }
+      /Function : / { fn = $3; if (fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 } if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 }
+                      if (fn ~ /Li3EEE/) { ring64[fn " " arch] = 1 } }
       /LDG\.E\.(64|128)/ { wide[fn " " arch] = 1 }
       /LDGSTS.*\.128/ { async[fn " " arch] = 1 }
+      /LDGSTS.*\.64/ { async64[fn " " arch] = 1 }
       END {
         for (k in vec) { n++; if (!(k in wide)) { print "NARROW " k; bad++ } }
         for (k in ring) { n++; if (!(k in async)) { print "NARROW " k; bad++ } }
+        for (k in ring64) { n++; if (!(k in async64)) { print "NARROW " k; bad++ } }
         print "#vec " n + 0 " narrow " bad + 0
       }' >"$WORK/wide.txt"
     summary="$(tail -n 1 "$WORK/wide.txt")"
@@ -154,10 +157,10 @@ else
       status=1
     elif [ "$(echo "$summary" | awk '{print $4}')" != 0 ]; then
       grep NARROW "$WORK/wide.txt" | c++filt | sed -E "$DEMANGLE_SED" | head -n 20
-      echo "FAIL: $name: VEC=true kernels without 64/128-bit code loads (or ring kernels without 16-byte LDGSTS)"
+      echo "FAIL: $name: VEC=true kernels without 64/128-bit code loads (or ring kernels without 16- / 8-byte LDGSTS)"
       status=1
     else
-      echo "== wide loads: $name: all $(echo "$summary" | awk '{print $2}') VEC / ring kernel/arch pairs use LDG.E.64/128 / LDGSTS.128"
+      echo "== wide loads: $name: all $(echo "$summary" | awk '{print $2}') VEC / ring kernel/arch pairs use LDG.E.64/128 / LDGSTS.128 (.64)"
     fi
   done
 fi

@@ -19,7 +19,8 @@
 #   ncu        Nsight Compute on bench/ncu_gemv.py (VERIFY_NCU_ARGS): throughput, occupancy, stalls per GEMV launch
 #   planner    the GEMV bench (innerq-base / small, kivi2, CUDA) with KVKERNELS_GEMV_PLANNER=v1 (and the ring off),
 #              with KVKERNELS_GEMV_RING=0 (today's planner, no ring), and with neither; then innerq-base / kivi2 at
-#              head_dim 64 (--model llama-3.2-1b) with the ring off and on
+#              head_dim 64 (--model llama-3.2-1b) with the ring off, with one-tile ring items for the InnerQ keys
+#              (KVKERNELS_GEMV_RING64=0), and with today's two-tile items
 # then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
 # A session has 15 device-minutes, machine start (~30 s) included: two calls of ~6.5 min, the second at once on the
 # warm machine (it goes back 30 s after a call), e.g.
@@ -302,15 +303,17 @@ if want planner; then
   # the GEMV planner of the first GPU run (KVKERNELS_GEMV_PLANNER=v1, register loads) against today's without the
   # InnerQ cp.async ring (KVKERNELS_GEMV_RING=0) and today's, same machine, same grid
   stage "planner (KVKERNELS_GEMV_PLANNER=v1 + KVKERNELS_GEMV_RING=0 vs KVKERNELS_GEMV_RING=0 vs current)"
-  # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk item, ring off vs on.
-  # The rings' A/B first, the first run's planner (v1) last: the stage gets what the budget has left
-  for which in noring current hd64-noring hd64-current v1; do
+  # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk tiles: ring off, one tile
+  # per ring item (KVKERNELS_GEMV_RING64=0), two (today's). The rings' A/B first, the first run's planner (v1) last:
+  # the stage gets what the budget has left
+  for which in noring current hd64-noring hd64-onetile hd64-current v1; do
     case $which in
       hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2) ;;
       *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2) ;;
     esac
     KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) \
-      KVKERNELS_GEMV_RING=$([ "${which#hd64-}" = current ] || echo 0) \
+      KVKERNELS_GEMV_RING=$([ "${which#hd64-}" = current ] || [ $which = hd64-onetile ] || echo 0) \
+      KVKERNELS_GEMV_RING64=$([ $which = hd64-onetile ] && echo 0) \
       timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" --batch 1 8 "${grid[@]}" --backends cuda \
       --budget-s $((T > 30 ? T - 20 : 10)) --no-plots --no-progress >"$WORK/planner-$which.log" 2>&1
     note "planner $which (${T}s cap): $(status_of $?)"

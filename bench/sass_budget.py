@@ -322,10 +322,16 @@ def hot_loops(k: Kernel) -> tuple[Loop | None, Loop | None]:
     return hot, key
 
 
+def ring64_tiles(bits: int) -> int:
+    """16-row tiles per ring item of the InnerQ key GEMV at head_dim 64: ring64_rows<BITS>() / 16 (gemv_inner_q.cu)."""
+    return 1 if bits == 4 else 2
+
+
 def half_tile_loop(k: Kernel, hot: Loop, key: Loop | None) -> Loop | None:
-    """The InnerQ key-tile loop at head_dim 64 (L = 64, the ring's half-chunk item), or None: besides the steady-state
-    and L = 128 key-tile loops, the innermost loop that stores its results and holds the most HMMA (about half of the
-    steady state's: 2 of the chunk's 4 blocks; the other such loops are the general tiles' tail, without stores)."""
+    """The InnerQ key-tile loop at head_dim 64 (L = 64: the ring's items of ring64_tiles half-chunk tiles), or None:
+    besides the steady-state and L = 128 key-tile loops, the innermost loop that stores its results and holds the most
+    HMMA (2 blocks per tile, against the chunk's 4; the one-tile loop that takes a store's last tiles holds half as
+    many below 4 bits, and the general tiles' tail stores nothing inside its loop)."""
     loops = find_loops(k)
     innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops) and lp not in (hot, key)]
     cands = [lp for lp in innermost if op_count(k, lp, "HMMA") > 0 and op_count(k, lp, "STG") > 0]
@@ -372,6 +378,7 @@ class Spec:
     vbits: int = 0  # attn_store: the value store's bits and mode (bits / mode are the key store's)
     vmode: str = ""
     ring: bool = False  # inner_q / kivi: codes, scales and zeros through the cp.async ring (kvkernels/code_ring.cuh)
+    ring64: bool = False  # inner_q: the kLoadRing64 kernel (keys at head_dim 64 below 4 bits, two-tile ring items)
 
     @property
     def query_rows(self) -> int:
@@ -386,9 +393,11 @@ LATTICE_PRESET_G = 64  # kvkernels.formats.lattice.LatticeConfig's default group
 
 def spec_of(name: str) -> Spec | None:
     m = re.search(r"gemv_inner_q_kernel<(\d), \(kvk::QuantMode\)(\d), (\d), (\d)>", name)
-    if m:  # the last argument is the code loads: 0 32-bit words, 1 16-byte to registers, 2 the cp.async ring
+    if m:  # the last argument is the code loads: 0 32-bit words, 1 16-byte to registers, 2 the cp.async ring, 3 the
+        # ring's head_dim-64 key kernel
         loads = int(m.group(4))
-        return Spec("inner_q", int(m.group(1)), MODES[m.group(2)], int(m.group(3)), loads > 0, ring=loads == 2)
+        bits, mode, nt = int(m.group(1)), MODES[m.group(2)], int(m.group(3))
+        return Spec("inner_q", bits, mode, nt, loads > 0, ring=loads >= 2, ring64=loads == 3)
     m = re.search(r"gemv_kivi_kernel<(\d), (\d), (\d+), (\d)>", name)
     if m:  # the same loads argument (1: 8-byte loads to registers, 4 bits only)
         loads = int(m.group(4))
@@ -476,23 +485,24 @@ KNOWN_OVER: dict[tuple, float] = {
     # 2- and 3-bit key tiles and the 1-bit loops went 0.1-0.7 over (still 100 % modelled: 10 is the margin budget)
     ("inner_q", 1, "asym", 4, 0, "steady state"): 10.5,
     ("inner_q", 2, "sym", 8, 0, "key tile (L=128)"): 10.9,
-    # 3 sym / 1 asym at 8 rows: 10.3 / 14.5 until the L = 64 ring deepened (+2 instructions each, same L = 128 source)
-    ("inner_q", 3, "sym", 8, 0, "key tile (L=128)"): 10.5,
-    ("inner_q", 1, "asym", 8, 0, "key tile (L=128)"): 14.7,
+    # 3 sym / 1 asym at 8 rows: 10.3 / 14.5 until the L = 64 ring deepened (+2 instructions each, same L = 128 source),
+    # 10.4 / 14.6 until the ring's stream took arrays of pieces for the two-tile items (ptxas, the loop's source is the
+    # same: +5 / +9 instructions of address rematerialization at the 128-register cap)
+    ("inner_q", 3, "sym", 8, 0, "key tile (L=128)"): 10.6,
+    ("inner_q", 1, "asym", 8, 0, "key tile (L=128)"): 15.2,
     # 10.5 until the ring loop moved to kvkernels/code_ring.cuh (same source): ptxas allocates these 128-register rows
     # differently with unrelated changes (that commit: +7 here, -4 and -5 on the 2- and 3-bit sym key tiles)
     ("inner_q", 2, "hybrid", 8, 0, "key tile (L=128)"): 10.8,
-    # keys at head_dim 64 (SmolLM2-135M's shape): the ring's item is half a chunk, so the tile's fixed work (the
-    # ring's copies, the loop, the epilogue: ~45 instructions) weighs twice as much per byte as at 128; 1 bit decodes
-    # 8 bytes a tile. Lever: two 16-row tiles per item (issue 16's note).
-    ("inner_q", 1, "asym", 4, 0, "key tile (L=64)"): 16.2,
-    ("inner_q", 1, "asym", 8, 0, "key tile (L=64)"): 21.2,
-    ("inner_q", 2, "sym", 4, 0, "key tile (L=64)"): 11.5,
-    ("inner_q", 2, "sym", 8, 0, "key tile (L=64)"): 14.2,
-    ("inner_q", 2, "hybrid", 4, 0, "key tile (L=64)"): 11.9,
-    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=64)"): 15.8,
-    ("inner_q", 3, "sym", 4, 0, "key tile (L=64)"): 11.2,
-    ("inner_q", 3, "sym", 8, 0, "key tile (L=64)"): 13.0,
+    # keys at head_dim 64 (SmolLM2-135M's, Llama-3.2-1B's shape), the kLoadRing64 kernel: an item is two 16-row tiles of
+    # half a chunk (one tile until 2026-11-27: 3 sym 11.1 / 12.9, 2 sym 11.4 / 14.1, 2 hybrid 11.8 / 15.7, 1 asym
+    # 16.1 / 21.1 at 4 / 8 rows), so the ring's copies and the loop are paid once per 32 rows; each tile's epilogue
+    # (fold, unscale, stores) stays, over 64 values instead of 128. 3 and 2 sym at 4 rows are now within the budget.
+    ("inner_q", 1, "asym", 4, 0, "key tile (L=64)"): 12.8,
+    ("inner_q", 1, "asym", 8, 0, "key tile (L=64)"): 17.3,
+    ("inner_q", 2, "sym", 8, 0, "key tile (L=64)"): 10.9,
+    ("inner_q", 2, "hybrid", 4, 0, "key tile (L=64)"): 10.6,
+    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=64)"): 13.2,
+    ("inner_q", 3, "sym", 8, 0, "key tile (L=64)"): 11.0,
     # KIVI 1 bit through its ring (the preset rows since the ring): 10.6 / 11.7 with register loads, which model
     # latency-bound at 40 % (8 KB in flight per SM); the ring's shared-memory reads add ~8 / ~12 instructions a step
     ("kivi", 1, "asym", 4, 16, "steady state"): 11.1,
@@ -608,28 +618,48 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
         s = spec_of(k.name)
         if s is None or k.arch not in MACHINES:
             continue
+        ctas = ctas_per_sm(k.regs, s.threads, k.arch)
+        if s.ring64:  # keys at head_dim 64 only: no steady state, no L = 128 tile
+            half = half_tile_loop(k, None, None)
+            if half is None:
+                raise RuntimeError(f"no L = 64 key-tile loop found in {k.name} (sm_{k.arch})")
+            rows.append(l64_row(k, s, half, ctas))
+            continue
         hot, key = hot_loops(k)
         if hot is None:
             raise RuntimeError(f"no steady-state loop found in {k.name} (sm_{k.arch})")
-        ctas = ctas_per_sm(k.regs, s.threads, k.arch)
         m = model(count(body(k, hot)), bytes_per_iteration(s), k.arch)
         m["loop"] = [hex(hot.start), hex(hot.end)]
         m["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, hot) if op.split(".")[0] in ("LDL", "STL"))
         in_flight(m, k, hot, bytes_per_iteration(s), ctas, s.threads)
         rows.append(Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, "steady state", m, is_preset(s, k.arch)))
-        tiles = [] if key is None else [(key, "key tile (L=128)", key_tile_bytes(s))]
-        if s.family == "inner_q" and s.ring:  # keys at head_dim 64: the ring's half-chunk item (issue 16)
+        if key is not None:
+            rows.append(loop_row(k, s, key, "key tile (L=128)", key_tile_bytes(s), ctas))
+        if s.family == "inner_q" and s.ring and s.bits == 4:  # 4-bit keys at head_dim 64: one-tile ring items
             half = half_tile_loop(k, hot, key)
             if half is None:
                 raise RuntimeError(f"no L = 64 key-tile loop found in {k.name} (sm_{k.arch})")
-            tiles.append((half, "key tile (L=64)", key_tile_bytes(s) / 2))
-        for loop, what, nbytes in tiles:
-            mt = model(count(body(k, loop)), nbytes, k.arch)
-            mt["loop"] = [hex(loop.start), hex(loop.end)]
-            mt["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, loop) if op.split(".")[0] in ("LDL", "STL"))
-            in_flight(mt, k, loop, nbytes, ctas, s.threads)
-            rows.append(Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, what, mt, is_preset(s, k.arch)))
+            rows.append(l64_row(k, s, half, ctas))
     return rows
+
+
+def loop_row(k: Kernel, s: Spec, loop: Loop, what: str, nbytes: float, ctas: int) -> Row:
+    mt = model(count(body(k, loop)), nbytes, k.arch)
+    mt["loop"] = [hex(loop.start), hex(loop.end)]
+    mt["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, loop) if op.split(".")[0] in ("LDL", "STL"))
+    in_flight(mt, k, loop, nbytes, ctas, s.threads)
+    return Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, what, mt, is_preset(s, k.arch))
+
+
+def l64_row(k: Kernel, s: Spec, loop: Loop, ctas: int) -> Row:
+    """The "key tile (L=64)" row: an item of ring64_tiles 16-row tiles, 2 blocks x 2 k-steps x n-tiles MMAs each."""
+    tiles_per_item = ring64_tiles(s.bits)
+    if op_count(k, loop, "HMMA") != 4 * s.ntiles * tiles_per_item:
+        raise RuntimeError(
+            f"{k.name} (sm_{k.arch}): the L = 64 key loop holds {op_count(k, loop, 'HMMA')} HMMA, not "
+            f"{tiles_per_item} tiles' worth ({4 * s.ntiles} each)"
+        )
+    return loop_row(k, s, loop, "key tile (L=64)", key_tile_bytes(s) / 2 * tiles_per_item, ctas)
 
 
 def table(rows: list[Row]) -> str:

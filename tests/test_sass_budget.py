@@ -6,6 +6,7 @@ and cuobjdump (the CUDA toolkit here, or triton's bundled cuobjdump); skipped wi
 """
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -131,6 +132,10 @@ def test_spec_and_bytes_of_the_gemv_names():
     assert (w.vec, w.ring) == (False, False)
     # 16 rows x 4 blocks x (12 code bytes + one fp16 scale)
     assert sb.bytes_per_iteration(s) == 16 * 4 * (12 + 2)
+    # the ring's head_dim-64 key kernel (loads 3): a ring kernel whose only modelled loop is the L = 64 tile
+    r64 = sb.spec_of("void kvk::(anonymous namespace)::gemv_inner_q_kernel<2, (kvk::QuantMode)2, 1, 3>(...)")
+    assert (r64.ring, r64.ring64, r.ring64) == (True, True, False)
+    assert sb.is_preset(r64, "90")
     k = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<2, 1, 16, 0>(...)")
     assert (k.family, k.bits, k.cpl, k.query_rows, k.vec, k.ring) == ("kivi", 2, 16, 4, False, False)
     kr = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<1, 2, 16, 2>(...)")
@@ -226,3 +231,11 @@ def test_lined_sass_blocks_treat_a_local_call_as_a_loop_exit():
     blocks = sb.basic_blocks(k)
     # @P0 CALL.REL.NOINC to a local label is ptxas's loop exit: a jump, not a call that returns
     assert sorted(blocks[0x10].succs) == [0x30, 0x40] and blocks[0x30].succs == [0x10]
+
+
+def test_ring64_tiles_match_the_kernel_source():
+    """sass_budget's bytes per L = 64 item follow ring64_rows<BITS>() in gemv_inner_q.cu: keep the two in step."""
+    src = (sb.ROOT / "csrc" / "cuda" / "gemv_inner_q.cu").read_text()
+    m = re.search(r"constexpr int ring64_rows\(\) \{\s*return BITS == 4 \? 16 : 32;", src)
+    assert m, "ring64_rows<BITS>() changed: update sass_budget.ring64_tiles"
+    assert [sb.ring64_tiles(b) for b in (1, 2, 3, 4)] == [2, 2, 2, 1]

@@ -307,84 +307,108 @@ __device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_
 // Needs 16-byte aligned code rows, G = 32 and 8-byte aligned scale / zero rows (ring_ok); the launcher falls back to
 // the register loads otherwise.
 
-// One warp's stream of n items through its ring: this lane's sources for the next item to copy (code pieces lane and
-// lane + 32 of the 16 x BITS pieces; lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16),
-// their offsets in a slot, and how far the sources move from one item to the next. BLOCKS: 32-value blocks per row of
-// an item, 4 (a chunk: 16-byte code pieces, 8 bytes of scales per row) or 2 (keys at head_dim 64, below: 8 and 4).
-template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks>
+// One warp's stream of n items through its ring: this lane's sources for the next item to copy (code pieces lane,
+// lane + 32, ... of the ROWS x BITS pieces; the scales and zeros of the item's rows: at 16 rows lanes 0-15 copy the
+// scales of row `lane` and lanes 16-31 the zeros of row lane - 16, at 32 rows every lane both of row `lane`), their
+// offsets in a slot, and how far the sources move from one item to the next. BLOCKS: 32-value blocks per row of an
+// item, 4 (a chunk: 16-byte code pieces, 8 bytes of scales per row) or 2 (keys at head_dim 64, below: 8 and 4). ROWS:
+// 16 (one tile) or 32 (two consecutive tiles: keys at head_dim 64, below).
+template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks, int ROWS = 16>
 struct RingStream {
+  static constexpr bool kZeros = MODE != QuantMode::kSym;
   static constexpr int kPiece = 4 * BLOCKS;  // bytes of a code piece (a row is BITS pieces)
   static constexpr int kMeta = 2 * BLOCKS;   // bytes of a row's scales (zeros)
   static constexpr int kRow = BLOCKS == kChunkBlocks ? ring_row_bytes(BITS) : 8 * BITS + (BITS == 4 ? 16 : 0);
-  static constexpr int kCode = 16 * kRow;
-  static constexpr int kSlot = kCode + (MODE != QuantMode::kSym ? 32 : 16) * kMeta;
-  // Half-chunk items are about half as large: as many stages as the planner's 128-value ring holds, up to twice its
+  static constexpr int kCode = ROWS * kRow;              // the codes, then ROWS x kMeta scales,
+  static constexpr int kZeroAt = kCode + ROWS * kMeta;  // then (kZeros) ROWS x kMeta zeros
+  static constexpr int kSlot = kZeroAt + (kZeros ? ROWS * kMeta : 0);
+  static constexpr int kPieces = ROWS * BITS;
+  static constexpr int kPerLane = (kPieces + 31) / 32;          // code pieces a lane copies
+  static constexpr int kMetaPerLane = ROWS == 32 && kZeros ? 2 : 1;  // scale / zero pieces a lane copies
+  // Smaller items than a chunk's take more stages: as many as the planner's 128-value ring holds, up to twice its
   // count, so that a warp keeps as many bytes in flight at head_dim 64 as at 128 (3 stages of 64 values left the
   // 2-bit key tile latency-bound in the SASS model: 15 KB in flight per SM).
-  static constexpr int kWarpBytes = ring_warp_bytes(BITS, MODE != QuantMode::kSym);
+  static constexpr int kWarpBytes = ring_warp_bytes(BITS, kZeros);
   static constexpr int kFit = kWarpBytes / kSlot, kTwice = 2 * ring_stages(BITS);
   static constexpr int kStages = BLOCKS == kChunkBlocks ? ring_stages(BITS) : kFit < kTwice ? kFit : kTwice;
-  static_assert(kSlot <= ring_slot_bytes(BITS, MODE != QuantMode::kSym), "the planner sizes 128-value slots");
+  static_assert(ROWS == 16 || ROWS == 32, "an item is one or two 16-row tiles");
+  static_assert(kSlot <= ring_slot_bytes(BITS, kZeros), "the planner sizes 128-value slots");
   static_assert(kStages >= 2 && kStages * kSlot <= kWarpBytes, "the ring fits the planner's per-warp bytes");
-  const char* c0;
-  const char* c1;
-  const char* m;
-  int64_t dc, dm;
-  int o0, o1, om;
-  bool has0, has1, hasm;
+  const char* c[kPerLane];
+  const char* m[kMetaPerLane];
+  int64_t dc, dm[kMetaPerLane];
+  int o[kPerLane], om[kMetaPerLane];
+  bool has[kPerLane], hasm[kMetaPerLane];
   char* ring;
   int n;
 
   // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
   __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
-      if (has0) cp_async<kPiece>(smem_addr(slot + o0), c0);
-      if (has1) cp_async<kPiece>(smem_addr(slot + o1), c1);
-      if (hasm) cp_async<kMeta>(smem_addr(slot + om), m);
-      c0 += dc, c1 += dc, m += dm;
+#pragma unroll
+      for (int k = 0; k < kPerLane; ++k) {
+        if (has[k]) cp_async<kPiece>(smem_addr(slot + o[k]), c[k]);
+        c[k] += dc;
+      }
+#pragma unroll
+      for (int k = 0; k < kMetaPerLane; ++k) {
+        if (hasm[k]) cp_async<kMeta>(smem_addr(slot + om[k]), m[k]);
+        m[k] += dm[k];
+      }
     }
     cp_async_commit();
   }
 };
 
-// The stream of a tile whose row r (0..15) is row min(row0 + r, last) of the (b, h_kv) slice: codes c_bh (at the
-// first item's chunk), scales s_bh and zeros z_bh (at the first item's group); item k + 1 starts dc_bytes (codes),
-// ds_bytes (scales) and dz_bytes (zeros) after item k.
-template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks>
-__device__ __forceinline__ RingStream<BITS, MODE, BLOCKS> ring_stream(char* ring, int n, int64_t row0, int64_t last,
-                                                                      const uint32_t* c_bh, int64_t c_sm,
-                                                                      const uint16_t* s_bh, int64_t s_sm,
-                                                                      const uint16_t* z_bh, int64_t z_sm,
-                                                                      int64_t dc_bytes, int64_t ds_bytes,
-                                                                      int64_t dz_bytes, int lane) {
-  using Stream = RingStream<BITS, MODE, BLOCKS>;
-  constexpr int kPieces = 16 * BITS;
+// The stream of a warp's items whose row r (0..ROWS - 1) is row min(row0 + r, last) of the (b, h_kv) slice: codes c_bh
+// (at the first item's chunk), scales s_bh and zeros z_bh (at the first item's group); item k + 1 starts dc_bytes
+// (codes), ds_bytes (scales) and dz_bytes (zeros) after item k.
+template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks, int ROWS = 16>
+__device__ __forceinline__ RingStream<BITS, MODE, BLOCKS, ROWS> ring_stream(char* ring, int n, int64_t row0,
+                                                                            int64_t last, const uint32_t* c_bh,
+                                                                            int64_t c_sm, const uint16_t* s_bh,
+                                                                            int64_t s_sm, const uint16_t* z_bh,
+                                                                            int64_t z_sm, int64_t dc_bytes,
+                                                                            int64_t ds_bytes, int64_t dz_bytes,
+                                                                            int lane) {
+  using Stream = RingStream<BITS, MODE, BLOCKS, ROWS>;
   Stream st;
   st.ring = ring;
   st.n = n;
-  const auto piece = [&](int pc, const char*& src, int& off) {
-    const int r = pc / BITS, k = pc - r * BITS;
-    src = reinterpret_cast<const char*>(c_bh + min(row0 + r, last) * c_sm) + Stream::kPiece * k;
-    off = r * Stream::kRow + Stream::kPiece * k;
-  };
-  st.has0 = lane < kPieces;
-  st.has1 = lane + 32 < kPieces;
-  st.c0 = st.c1 = nullptr;
-  st.o0 = st.o1 = 0;
-  if (st.has0) piece(lane, st.c0, st.o0);
-  if (st.has1) piece(lane + 32, st.c1, st.o1);
+#pragma unroll
+  for (int k = 0; k < Stream::kPerLane; ++k) {
+    const int pc = lane + 32 * k, r = pc / BITS, j = pc - r * BITS;
+    st.has[k] = pc < Stream::kPieces;
+    st.c[k] = st.has[k] ? reinterpret_cast<const char*>(c_bh + min(row0 + r, last) * c_sm) + Stream::kPiece * j
+                        : nullptr;
+    st.o[k] = r * Stream::kRow + Stream::kPiece * j;
+  }
   st.dc = dc_bytes;
-  const int64_t r = min(row0 + (lane & 15), last);
-  if (lane < 16) {
-    st.hasm = true;
-    st.m = reinterpret_cast<const char*>(s_bh + r * s_sm);
-    st.om = Stream::kCode + Stream::kMeta * lane;
-    st.dm = ds_bytes;
+  if constexpr (ROWS == 16) {
+    const int64_t r = min(row0 + (lane & 15), last);
+    if (lane < 16) {
+      st.hasm[0] = true;
+      st.m[0] = reinterpret_cast<const char*>(s_bh + r * s_sm);
+      st.om[0] = Stream::kCode + Stream::kMeta * lane;
+      st.dm[0] = ds_bytes;
+    } else {
+      st.hasm[0] = Stream::kZeros;
+      st.m[0] = st.hasm[0] ? reinterpret_cast<const char*>(z_bh + r * z_sm) : nullptr;
+      st.om[0] = Stream::kZeroAt + Stream::kMeta * (lane - 16);
+      st.dm[0] = dz_bytes;
+    }
   } else {
-    st.hasm = MODE != QuantMode::kSym;
-    st.m = st.hasm ? reinterpret_cast<const char*>(z_bh + r * z_sm) : nullptr;
-    st.om = Stream::kCode + 16 * Stream::kMeta + Stream::kMeta * (lane - 16);
-    st.dm = dz_bytes;
+    const int64_t r = min(row0 + lane, last);
+    st.hasm[0] = true;
+    st.m[0] = reinterpret_cast<const char*>(s_bh + r * s_sm);
+    st.om[0] = Stream::kCode + Stream::kMeta * lane;
+    st.dm[0] = ds_bytes;
+    if constexpr (Stream::kMetaPerLane == 2) {
+      st.hasm[1] = true;
+      st.m[1] = reinterpret_cast<const char*>(z_bh + r * z_sm);
+      st.om[1] = Stream::kZeroAt + Stream::kMeta * lane;
+      st.dm[1] = dz_bytes;
+    }
   }
   return st;
 }
@@ -441,26 +465,37 @@ __device__ __forceinline__ void ring_compute(const char* slot, int g, const Chun
 
 // ---- keys at head_dim 64: a 64-value ring item ----------------------------------------------------------------------
 // L = 64 is two blocks, half a chunk: no main-loop step, so without this the key GEMV of a head_dim-64 model walked
-// the tail loop, one block of 32-bit loads in flight per warp. An item is a whole 16-row tile: the codes as 8-byte
-// pieces (8 x BITS bytes per row), each row's two G = 32 scales (zeros) as one 4-byte piece; the zero term folds per
-// block in fp32 as in the tail (block_mma<ZFOLD>). 4-bit rows are padded to 48 bytes so the 8 rows a warp reads at
-// once (thread t: word 4j + t) fall in distinct banks; the other widths' rows (8, 16, 24 bytes) already do. The
-// stream is RingStream<BITS, MODE, 2>.
+// the tail loop, one block of 32-bit loads in flight per warp. An item is a whole 16-row tile, or two consecutive
+// ones (ring64_rows): the codes as 8-byte pieces (8 x BITS bytes per row), each row's two G = 32 scales (zeros) as one
+// 4-byte piece; the zero term folds per block in fp32 as in the tail (block_mma<ZFOLD>). 4-bit rows are padded to 48
+// bytes so the 8 rows a warp reads at once (thread t: word 4j + t) fall in distinct banks; the other widths' rows (8,
+// 16, 24 bytes) already do. The stream is RingStream<BITS, MODE, 2, ROWS>.
 
-// One tile from its slot: rows g and g + 8, blocks 0 and 1 (the register path's word layouts), folded per block.
-template <int BITS, QuantMode MODE, int NT>
-__device__ __forceinline__ void ring64_compute(const char* slot, int g, const ChunkCtx& x, const float* xsum,
+// Rows per item: two tiles below 4 bits. A 16-row tile is ~45 instructions of fixed work per warp (the ring's copies
+// behind a divergent branch, the loop, the slot rotation) over half a chunk's bytes, which kept the 1-3-bit tiles at
+// 11-21 instructions per byte in the SASS model; two tiles share it. 4 bits stay at one (within the budget already;
+// two would be 128 code pieces, 4 copies a lane, and a 1.8 KB slot).
+template <int BITS>
+__host__ __device__ constexpr int ring64_rows() {
+  return BITS == 4 ? 16 : 32;
+}
+
+// Tile h (rows 16 h + g and 16 h + g + 8) of an item from its slot, blocks 0 and 1 (the register path's word
+// layouts), folded per block.
+template <int BITS, QuantMode MODE, int NT, int ROWS>
+__device__ __forceinline__ void ring64_compute(const char* slot, int h, int g, const ChunkCtx& x, const float* xsum,
                                                const DecodeConsts& kc, float (&acc)[NT][2]) {
-  constexpr int kCode = RingStream<BITS, MODE, 2>::kCode;
+  using Stream = RingStream<BITS, MODE, 2, ROWS>;
   constexpr bool kWide = BITS != 4;
+  const int ra = 16 * h + g, rb = ra + 8;
   ChunkWords<BITS, kWide> wa, wb;  // blocks 0 and 1 filled (gather_chunk reads no further for j < 2)
-  slot_rows<BITS, MODE, 2>(slot, g, x.t, wa, wb);
-  const uint32_t sa = *reinterpret_cast<const uint32_t*>(slot + kCode + 4 * g);
-  const uint32_t sb = *reinterpret_cast<const uint32_t*>(slot + kCode + 4 * (g + 8));
+  slot_rows<BITS, MODE, 2>(slot + 16 * h * Stream::kRow, g, x.t, wa, wb);
+  const uint32_t sa = *reinterpret_cast<const uint32_t*>(slot + Stream::kCode + 4 * ra);
+  const uint32_t sb = *reinterpret_cast<const uint32_t*>(slot + Stream::kCode + 4 * rb);
   uint32_t za = 0, zb = 0;
   if constexpr (MODE != QuantMode::kSym) {
-    za = *reinterpret_cast<const uint32_t*>(slot + kCode + 64 + 4 * g);
-    zb = *reinterpret_cast<const uint32_t*>(slot + kCode + 64 + 4 * (g + 8));
+    za = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 4 * ra);
+    zb = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 4 * rb);
   }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -509,7 +544,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
   constexpr int QR = 4 * NT;  // query rows per pass
   constexpr bool kZeros = MODE != QuantMode::kSym;
   constexpr bool VEC = LOADS == kLoadVec;
-  constexpr bool kRing = LOADS == kLoadRing;
+  // kLoadRing64: keys at head_dim 64 (L = 64, below 4 bits), whose two-tile ring items get a kernel of their own so
+  // that the other kernels' register allocation does not change with them (ptxas allocates a kernel as a whole: in
+  // one kernel they moved the 128-value loops by up to +0.7 instructions per byte and added spills outside the loops)
+  constexpr bool kRing64 = LOADS == kLoadRing64;
+  constexpr bool kRing = LOADS == kLoadRing || kRing64;
+  static_assert(!kRing64 || BITS != 4, "4-bit keys at head_dim 64 take one-tile items in the kLoadRing kernel");
   extern __shared__ __align__(16) float smem[];
 
   // 32-bit index math where the sizes allow: grid dims are < 2^31, 64-bit division would be a called subroutine
@@ -648,31 +688,60 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     // Keys (L = 4 blocks = one step per row, G = 32): the tile loop itself is the hot loop. Whole tiles only, with
     // pointers advanced by a fixed stride; a last partial tile goes to the general loop below.
     if constexpr (kRing) {
-      // the ring's item is a whole tile of BLOCKS 32-value blocks per row: 4 (L = 128) or 2 (L = 64, keys at
-      // head_dim 64); kRing implies G = 32. compute(slot, acc, zacc) adds the item's products.
-      const auto ring_tiles = [&](auto blocks, const auto& compute) {
-        constexpr int BLOCKS = decltype(blocks)::value;
-        const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
-        RingStream<BITS, MODE, BLOCKS> st =
-            ring_stream<BITS, MODE, BLOCKS>(ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm,
-                                            4 * step * p.c_sm, 2 * step * p.s_sm, 2 * step * p.z_sm, lane);
+      // the ring's item is ROWS / 16 consecutive whole tiles of BLOCKS 32-value blocks per row: one tile of 4 (L =
+      // 128), or ring64_rows of 2 (L = 64, keys at head_dim 64); kRing implies G = 32. The warp's n items start at its
+      // tile mt and advance by that many tiles per warp. compute(slot, h, acc, zacc) adds tile h's products.
+      const auto ring_tiles = [&](auto blocks, auto rows, int n, const auto& compute) {
+        constexpr int BLOCKS = decltype(blocks)::value, ROWS = decltype(rows)::value, kTiles = ROWS / 16;
+        RingStream<BITS, MODE, BLOCKS, ROWS> st = ring_stream<BITS, MODE, BLOCKS, ROWS>(
+            ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm, 4 * kTiles * step * p.c_sm,
+            2 * kTiles * step * p.s_sm, 2 * kTiles * step * p.z_sm, lane);
         run_ring(st, [&](int, const char* slot) {
-          float acc[NT][2], zacc[NT][4];
-          zero_tile(acc, zacc);
-          compute(slot, acc, zacc);
-          store_tile<MODE, NT>(outq, usq, ma, acc, zacc, true, true);
-          ma += step;
+#pragma unroll
+          for (int h = 0; h < kTiles; ++h) {
+            float acc[NT][2], zacc[NT][4];
+            zero_tile(acc, zacc);
+            compute(slot, h, acc, zacc);
+            store_tile<MODE, NT>(outq, usq, ma + 16 * h, acc, zacc, true, true);
+          }
+          ma += kTiles * step;
         });
-        mt += n * nwarps;
       };
-      if (nblk == kChunkBlocks)
-        ring_tiles(std::integral_constant<int, kChunkBlocks>{}, [&](const char* slot, auto& acc, auto& zacc) {
-          ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
-        });
-      else if (nblk == 2)
-        ring_tiles(std::integral_constant<int, 2>{}, [&](const char* slot, auto& acc, auto&) {
-          ring64_compute<BITS, MODE, NT>(slot, g, cx, xsum, kc, acc);
-        });
+      // items of one tile: the warp's share of the full tiles from mt on (mt = warp + a multiple of nwarps)
+      const auto single_items = [&] { return full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0; };
+      const auto l64_compute = [&](auto rows) {
+        return [&](const char* slot, int h, auto& acc, auto&) {
+          ring64_compute<BITS, MODE, NT, decltype(rows)::value>(slot, h, g, cx, xsum, kc, acc);
+        };
+      };
+      if constexpr (kRing64) {  // the launcher's L = 64 (nblk == 2)
+        // tile pairs while every warp gets the same number of them (warp w: tiles 2 w, 2 w + 1, then 2 (w + nwarps),
+        // ...); the rest one tile per item, so that short stores still spread over every warp
+        using Pair = std::integral_constant<int, 32>;
+        const int pairs = full_tiles / (2 * nwarps);
+        if (pairs > 0) {
+          mt = 2 * warp, ma = m_begin + 16 * mt + g;
+          ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}));
+          mt = 2 * pairs * nwarps + warp, ma = m_begin + 16 * mt + g;
+        }
+        using One = std::integral_constant<int, 16>;
+        const int n = single_items();
+        ring_tiles(std::integral_constant<int, 2>{}, One{}, n, l64_compute(One{}));
+        mt += n * nwarps;
+      } else if (nblk == kChunkBlocks) {
+        const int n = single_items();
+        ring_tiles(std::integral_constant<int, kChunkBlocks>{}, std::integral_constant<int, 16>{}, n,
+                   [&](const char* slot, int, auto& acc, auto& zacc) {
+                     ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
+                   });
+        mt += n * nwarps;
+      } else if (nblk == 2) {
+        // keys at head_dim 64 in one-tile items: 4 bits (ring64_rows), and the others under KVKERNELS_GEMV_RING64=0
+        using One = std::integral_constant<int, 16>;
+        const int n = single_items();
+        ring_tiles(std::integral_constant<int, 2>{}, One{}, n, l64_compute(One{}));
+        mt += n * nwarps;
+      }
     } else if (nblk == kChunkBlocks && k.bpg == 1) {
       RowPair r = rows_at(ma, ma + 8);
       const int64_t dc = step * p.c_sm, ds = step * p.s_sm, dz = step * p.z_sm;
@@ -699,7 +768,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       const RowPair r = rows_at(ok_a ? ma : last, ok_b ? ma + 8 : last);
       float acc[NT][2], zacc[NT][4];
       zero_tile(acc, zacc);
-      if constexpr (kRing) {
+      if constexpr (kRing64) {
+        // L = 64: no whole chunk; the tail below
+      } else if constexpr (kRing) {
         RingStream<BITS, MODE> st = ring_stream<BITS, MODE>(ring, nchunks, ma - g, last, c_bh, p.c_sm, s_bh, p.s_sm,
                                                             zg, p.z_sm, 16 * BITS, 8, 8, lane);
         ChunkCtx x = cx;  // at the step's fragments, as chunk_loop advances them
@@ -740,6 +811,7 @@ template <int BITS, QuantMode MODE, int NT>
 InnerQKernel inner_q_kernel(int loads) {
   if (loads == kLoadRing) return gemv_inner_q_kernel<BITS, MODE, NT, kLoadRing>;
   if constexpr (BITS != 4) {  // 4 bits reads one word per block and lane: no register vector form
+    if (loads == kLoadRing64) return gemv_inner_q_kernel<BITS, MODE, NT, kLoadRing64>;
     if (loads == kLoadVec) return gemv_inner_q_kernel<BITS, MODE, NT, kLoadVec>;
   }
   return gemv_inner_q_kernel<BITS, MODE, NT, kLoadWords>;
@@ -753,7 +825,7 @@ cudaError_t select_inner_q_kernel(int bits, QuantMode mode, int nt, int loads, I
 }
 
 struct InnerQPlan {
-  int loads;                 // kLoadWords / kLoadVec / kLoadRing
+  int loads;                 // kLoadWords / kLoadVec / kLoadRing / kLoadRing64
   int nt;                    // n-tiles: 4 query rows each
   int threads;               // 32 x warps
   int64_t t_chunk;           // query rows per head per launch
@@ -793,9 +865,11 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
   const int64_t qb = gq * pl.t_chunk;
   pl.nt = qb <= 4 ? 1 : 2;  // more query rows loop over 8-row passes in the CTA
-  pl.loads = ring_ok(p) && !gemv_ring_disabled()                        ? kLoadRing
+  const bool ring_l64 = p.L == 64 && p.bits != 4 && !gemv_ring64_disabled();  // two-tile items, their own kernel
+  pl.loads = ring_ok(p) && !gemv_ring_disabled()                        ? (ring_l64 ? kLoadRing64 : kLoadRing)
              : p.bits != 4 && p.L >= kChunk && codes_aligned(p, 16) ? kLoadVec
                                                                     : kLoadWords;
+  const bool ring = pl.loads == kLoadRing || pl.loads == kLoadRing64;
   if (select_inner_q_kernel(p.bits, p.mode, pl.nt, pl.loads, &pl.fn) != cudaSuccess) {
     pl.error = "unsupported bits / mode";
     return pl;
@@ -805,8 +879,8 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   pl.threads = 32 * warps;
   // the ring's slots come first; the query tile gets the rest of the 48 KiB a CTA may use without an opt-in
   const size_t ring_bytes =
-      pl.loads == kLoadRing ? static_cast<size_t>(warps) * ring_warp_bytes(p.bits, p.mode != QuantMode::kSym) : 0;
-  const size_t budget = pl.loads == kLoadRing ? kCtaSmem - ring_bytes : kSmemBudget;
+      ring ? static_cast<size_t>(warps) * ring_warp_bytes(p.bits, p.mode != QuantMode::kSym) : 0;
+  const size_t budget = ring ? kCtaSmem - ring_bytes : kSmemBudget;
   int occ = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), pl.threads,
                                                     ring_bytes + budget) != cudaSuccess ||
@@ -887,7 +961,12 @@ cudaError_t launch_combine_splits(const float* ws, int splits, int64_t B, int64_
 
 bool gemv_inner_q_vector_loads(const GemvInnerQParams& p) { return plan_inner_q(p).loads != kLoadWords; }
 
-bool gemv_inner_q_ring(const GemvInnerQParams& p) { return plan_inner_q(p).loads == kLoadRing; }
+bool gemv_inner_q_ring(const GemvInnerQParams& p) {
+  const int loads = plan_inner_q(p).loads;
+  return loads == kLoadRing || loads == kLoadRing64;
+}
+
+bool gemv_inner_q_ring_pairs(const GemvInnerQParams& p) { return plan_inner_q(p).loads == kLoadRing64; }
 
 int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p) {
   if (p.B * p.H_q * p.T * p.M == 0 || p.L == 0) return 0;

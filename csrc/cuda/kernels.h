@@ -45,6 +45,10 @@ inline bool gemv_planner_v1() { return env_equals("KVKERNELS_GEMV_PLANNER", "v1"
 // results.
 inline bool gemv_ring_disabled() { return env_equals("KVKERNELS_GEMV_RING", "0"); }
 
+// KVKERNELS_GEMV_RING64=0: gemv_inner_q's keys at head_dim 64 (L = 64) take one-tile ring items, as before the
+// two-tile items of the kLoadRing64 kernel, so a benchmark can time both on one machine. Same results.
+inline bool gemv_ring64_disabled() { return env_equals("KVKERNELS_GEMV_RING64", "0"); }
+
 // ---------------------------------------------------------------------------------------------------------
 // gemv_inner_q:  y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes[b, h_kv, m, l])
 // with groups of G along l; h_kv = h / (H_q / H_kv).
@@ -83,6 +87,8 @@ int64_t gemv_inner_q_workspace_floats(const GemvInnerQParams& p);
 // these params, and whether through the ring (16-byte aligned code rows, G = 32, 8-byte aligned scale / zero rows).
 bool gemv_inner_q_vector_loads(const GemvInnerQParams& p);
 bool gemv_inner_q_ring(const GemvInnerQParams& p);
+// ... and whether its ring items are two tiles (keys at head_dim 64 below 4 bits, KVKERNELS_GEMV_RING64 not 0).
+bool gemv_inner_q_ring_pairs(const GemvInnerQParams& p);
 cudaError_t launch_gemv_inner_q(const GemvInnerQParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------

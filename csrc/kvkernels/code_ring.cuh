@@ -15,6 +15,7 @@ namespace kvk {
 constexpr int kLoadWords = 0;  // 32-bit loads into registers (unaligned rows, short reductions)
 constexpr int kLoadVec = 1;    // wide loads into registers: aligned rows, but no ring (G != 32, ...)
 constexpr int kLoadRing = 2;   // the cp.async ring
+constexpr int kLoadRing64 = 3;  // the ring with two-tile items: gemv_inner_q's keys at head_dim 64 (its own kernel)
 
 // Slots per warp: enough items in flight at every width within 48 KiB per CTA with the query tile.
 __host__ __device__ constexpr int ring_stages(int bits) { return bits == 1 ? 6 : bits == 4 ? 3 : 4; }

@@ -53,7 +53,7 @@ static int g_meta_pad = -1;
 
 void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t M, int64_t L, int bits, int G,
                   QuantMode mode, XDtype dt, bool xscale, int cpad, int coff, int xpad, int num_sms, bool null_zeros,
-                  int expect_vec = -1, int expect_ring = -1) {
+                  int expect_vec = -1, int expect_ring = -1, int expect_pairs = -1) {
   const int64_t W = L * bits / 32, NG = L / G;
   // codes [B,H_kv,M, W+cpad] starting at coff; scales/zeros [B,H_kv,M,NG+pad] at 1 / 2 (or 0 / 0, g_meta_pad)
   const int64_t c_sm = W + cpad, c_sh = M * c_sm, c_sb = H_kv * c_sh;
@@ -101,6 +101,11 @@ void inner_q_case(int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, i
   const bool ring = gemv_inner_q_ring(p);
   if (expect_ring >= 0 && ring != (expect_ring != 0)) {
     printf("inner_q: cp.async ring %d, expected %d\n", (int)ring, expect_ring);
+    res.cases++; res.fails++; return;
+  }
+  const bool pairs = gemv_inner_q_ring_pairs(p);
+  if (expect_pairs >= 0 && pairs != (expect_pairs != 0)) {
+    printf("inner_q: two-tile ring items %d, expected %d\n", (int)pairs, expect_pairs);
     res.cases++; res.fails++; return;
   }
   int64_t wsf = gemv_inner_q_workspace_floats(p);
@@ -1062,6 +1067,17 @@ int main(int argc, char** argv) {
     // ... and rings deeper than at L = 128 (5-12 stages: RingStream's kStages), wrapped several times: 6000 rows on 1 SM
     for (int bits : {1, 3, 4})
       inner_q_case(1, 4, 1, 1, false, 6000, 64, bits, 32, QuantMode::kAsym, XDtype::kF16, true, 0, 0, 0, 1, false, 1, 1);
+    // ... two-tile items below 4 bits: a CTA's tile pairs (every warp the same count), then its last full tiles one per
+    // item, then a partial tile (565 rows = 35 tiles + 5 on 1 SM: 16 pairs on 8 warps, 3 single tiles, 5 rows); 4 bits
+    // one-tile items; KVKERNELS_GEMV_RING64=0 the one-tile items at 3 bits (the benchmark switch)
+    for (int bits = 1; bits <= 4; ++bits)
+      inner_q_case(1, 8, 2, 1, false, 565, 64, bits, 32, static_cast<QuantMode>(bits % 3), XDtype::kF16, bits == 3, 0,
+                   0, 0, 1, false, 1, 1, bits != 4);
+    inner_q_case(1, 16, 2, 1, true, 565, 64, 2, 32, QuantMode::kHybrid, XDtype::kBF16, false, 0, 0, 0, 1, false, 1, 1,
+                 1);
+    setenv("KVKERNELS_GEMV_RING64", "0", 1);
+    inner_q_case(1, 8, 2, 1, false, 565, 64, 3, 32, QuantMode::kSym, XDtype::kF16, true, 0, 0, 0, 1, false, 1, 1, 0);
+    unsetenv("KVKERNELS_GEMV_RING64");
     inner_q_case(1, 4, 1, 1, false, 100, 64, 3, 32, QuantMode::kAsym, XDtype::kF16, false, 1, 0, 0, 8, false, 0, 0);
     g_meta_pad = 1;  // L = 64 with scale / zero rows 2-byte aligned only: register loads
     inner_q_case(1, 4, 1, 1, false, 100, 64, 2, 32, QuantMode::kAsym, XDtype::kF16, false, 0, 0, 0, 8, false, 0, 0);
