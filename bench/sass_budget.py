@@ -628,11 +628,7 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
         hot, key = hot_loops(k)
         if hot is None:
             raise RuntimeError(f"no steady-state loop found in {k.name} (sm_{k.arch})")
-        m = model(count(body(k, hot)), bytes_per_iteration(s), k.arch)
-        m["loop"] = [hex(hot.start), hex(hot.end)]
-        m["local_memory_in_loop"] = sum(1 for _, op, _ in body(k, hot) if op.split(".")[0] in ("LDL", "STL"))
-        in_flight(m, k, hot, bytes_per_iteration(s), ctas, s.threads)
-        rows.append(Row(k.name, k.arch, s, k.regs, k.spill_bytes, ctas, "steady state", m, is_preset(s, k.arch)))
+        rows.append(loop_row(k, s, hot, "steady state", bytes_per_iteration(s), ctas))
         if key is not None:
             rows.append(loop_row(k, s, key, "key tile (L=128)", key_tile_bytes(s), ctas))
         if s.family == "inner_q" and s.ring and s.bits == 4:  # 4-bit keys at head_dim 64: one-tile ring items

@@ -445,7 +445,8 @@ __device__ __forceinline__ void slot_rows(const char* slot, int g, int t, ChunkW
 template <int BITS, QuantMode MODE, int NT>
 __device__ __forceinline__ void ring_compute(const char* slot, int g, const ChunkCtx& x, const DecodeConsts& kc,
                                              float (&acc)[NT][2], float (&zacc)[NT][4]) {
-  constexpr int kCode = ring_code_bytes(BITS);
+  using Stream = RingStream<BITS, MODE>;
+  constexpr int kCode = Stream::kCode;
   constexpr bool kWide = BITS != 4;
   ChunkWords<BITS, kWide> wa, wb;
   slot_rows<BITS, MODE, kChunkBlocks>(slot, g, x.t, wa, wb);
@@ -457,8 +458,8 @@ __device__ __forceinline__ void ring_compute(const char* slot, int g, const Chun
                                      static_cast<uint16_t>(svb.y), static_cast<uint16_t>(svb.y >> 16)};
   uint32_t za = 0, zb = 0;
   if constexpr (MODE != QuantMode::kSym) {
-    za = *reinterpret_cast<const uint32_t*>(slot + kCode + 128 + 8 * g + 2 * x.jj);
-    zb = *reinterpret_cast<const uint32_t*>(slot + kCode + 128 + 8 * (g + 8) + 2 * x.jj);
+    za = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 8 * g + 2 * x.jj);
+    zb = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 8 * (g + 8) + 2 * x.jj);
   }
   chunk_compute<BITS, MODE, NT, kWide>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
 }
@@ -708,7 +709,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         });
       };
       // items of one tile: the warp's share of the full tiles from mt on (mt = warp + a multiple of nwarps)
-      const auto single_items = [&] { return full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0; };
+      const auto one_tile_items = [&](auto blocks, const auto& compute) {
+        const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
+        ring_tiles(blocks, std::integral_constant<int, 16>{}, n, compute);
+        mt += n * nwarps;
+      };
       const auto l64_compute = [&](auto rows) {
         return [&](const char* slot, int h, auto& acc, auto&) {
           ring64_compute<BITS, MODE, NT, decltype(rows)::value>(slot, h, g, cx, xsum, kc, acc);
@@ -724,23 +729,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
           ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}));
           mt = 2 * pairs * nwarps + warp, ma = m_begin + 16 * mt + g;
         }
-        using One = std::integral_constant<int, 16>;
-        const int n = single_items();
-        ring_tiles(std::integral_constant<int, 2>{}, One{}, n, l64_compute(One{}));
-        mt += n * nwarps;
+        one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}));
       } else if (nblk == kChunkBlocks) {
-        const int n = single_items();
-        ring_tiles(std::integral_constant<int, kChunkBlocks>{}, std::integral_constant<int, 16>{}, n,
-                   [&](const char* slot, int, auto& acc, auto& zacc) {
-                     ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
-                   });
-        mt += n * nwarps;
+        one_tile_items(std::integral_constant<int, kChunkBlocks>{}, [&](const char* slot, int, auto& acc, auto& zacc) {
+          ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
+        });
       } else if (nblk == 2) {
         // keys at head_dim 64 in one-tile items: 4 bits (ring64_rows), and the others under KVKERNELS_GEMV_RING64=0
-        using One = std::integral_constant<int, 16>;
-        const int n = single_items();
-        ring_tiles(std::integral_constant<int, 2>{}, One{}, n, l64_compute(One{}));
-        mt += n * nwarps;
+        one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}));
       }
     } else if (nblk == kChunkBlocks && k.bpg == 1) {
       RowPair r = rows_at(ma, ma + 8);
