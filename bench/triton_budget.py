@@ -190,8 +190,11 @@ def expected_mma(kernel: str, c: dict, warps: int, arch: int) -> int | None:
     unrolled: sm_90 warpgroup HGMMA 64xQPx16 (every warp of the group issues it), else HMMA m16n8k16 per warp."""
     if kernel != "_gemv_inner_q_kernel" or "XPARTS" not in c:
         return None
-    if arch >= 90 and c["BLOCK_M"] % 64 == 0:
-        return (c["BLOCK_M"] // 64) // max(1, warps // 4) * (inner_q_values(c) // 16) * c["XPARTS"]
+    k_steps = inner_q_values(c) // 16 * c["XPARTS"]
+    if arch >= 90 and warps % 4 == 0 and c["BLOCK_M"] % (16 * warps) == 0:
+        return c["BLOCK_M"] // (16 * warps) * k_steps
+    if warps % 4 and c["BLOCK_M"] % (16 * warps) == 0:  # fewer warps than a warpgroup: mma.sync per warp
+        return c["BLOCK_M"] // (16 * warps) * max(1, c["QP"] // 8) * k_steps
     return None
 
 

@@ -6,6 +6,7 @@ than a cartesian product; every case still names what it covers.
 """
 
 import importlib
+from unittest import mock
 
 import pytest
 import torch
@@ -67,6 +68,9 @@ INNER_Q_CASES = {
     "b3-hybrid-fp16-gqa3-M65-L224-xscale": (3, "hybrid", "fp16", 1, 1, 3, None, 65, 224, 32, True, False),
     "b4-asym-fp32-T5-M33-L640-G128-split": (4, "asym", "fp32", 1, 1, 1, 5, 33, 640, 128, False, False),
     "b2-sym-bf16-gqa7-M17-L64-G64": (2, "sym", "bf16", 1, 1, 7, None, 17, 64, 64, False, False),
+    # M over 128 (the key GEMV's tokens): the 256-row tile, partly masked
+    "b3-sym-fp32-gqa4-M300-D128-xscale": (3, "sym", "fp32", 1, 2, 4, None, 300, 128, 32, True, False),
+    "b1-asym-fp32-gqa4-M257-D128-xscale": (1, "asym", "fp32", 1, 1, 4, None, 257, 128, 32, True, False),
 }
 
 
@@ -118,17 +122,40 @@ def test_gemv_inner_q_split_path_is_taken():
 
 @pytest.mark.parametrize("mod, name", [("gemv_inner_q", "_gemv_inner_q_tuned"), ("gemv_kivi", "_gemv_kivi_tuned")])
 def test_gemv_autotune_configs(mod, name):
-    """Interpreted, the autotuner holds one config (tuning would only multiply test time); compiled, a short list
-    whose tiles keep every warp on its own MMA rows."""
+    """Interpreted, the autotuner runs one config (tuning would only multiply test time); compiled, a short list.
+    InnerQ's tiles give each thread two or more whole rows (its decode stays in registers) but the last, the tile for
+    32+ query rows; KIVI's split of R is planned in rows that every config divides."""
     m = importlib.import_module(f"kvkernels.triton_kernels.{mod}")
     tuned = getattr(m, name)
-    assert len(tuned.configs) == (1 if DEVICE == "cpu" else len(m._CONFIGS))
     assert tuned.configs[0] is m._CONFIGS[0] and 2 <= len(m._CONFIGS) <= 4
-    for c in m._CONFIGS:
+    for i, c in enumerate(m._CONFIGS):
         if mod == "gemv_inner_q":
-            assert c.kwargs["BLOCK_M"] == 16 * c.num_warps
-        else:  # the split of R is planned in _SPLIT_BLOCK_R rows, whichever config runs
+            assert c.kwargs["BLOCK_M"] % (16 * c.num_warps) == 0
+            assert c.kwargs["BLOCK_M"] >= 2 * 32 * c.num_warps or i == len(m._CONFIGS) - 1
+        else:
             assert m._SPLIT_BLOCK_R % c.kwargs["BLOCK_R"] == 0
+    if mod == "gemv_kivi":
+        assert len(tuned.configs) == (1 if DEVICE == "cpu" else len(m._CONFIGS))
+
+
+def test_gemv_inner_q_prune():
+    """The configs an InnerQ launch may run: no tile taller than M's bucket (the value GEMV's M is head_dim), none
+    whose accumulator is over _MAX_ACC_REGS per thread, never none; interpreted, only the first."""
+    m = importlib.import_module("kvkernels.triton_kernels.gemv_inner_q")
+
+    def kept(m_bucket, qp, interpreted=False):
+        with mock.patch.object(m, "INTERPRETED", interpreted):
+            return [(c.kwargs["BLOCK_M"], c.num_warps) for c in m._prune(m._CONFIGS, {"M_BUCKET": m_bucket, "QP": qp})]
+
+    assert kept(256, 8)[0] == (256, 4) and len(kept(256, 8)) == len(m._CONFIGS)  # key GEMV: every config
+    assert kept(128, 8)[0] == (128, 2) and all(rows <= 128 for rows, _ in kept(128, 8))  # values at head_dim 128
+    assert kept(64, 8) == [(64, 1), (64, 4)]  # values at head_dim 64
+    for qp in (16, 32, 64):
+        assert all(rows * qp <= m._MAX_ACC_REGS * 32 * warps for rows, warps in kept(256, qp)), qp
+    assert kept(256, 64) == [(64, 4)]  # 64 query rows: the tile of one row per thread
+    with mock.patch.object(m, "_MAX_ACC_REGS", 1):
+        assert kept(256, 8) == [(m._CONFIGS[-1].kwargs["BLOCK_M"], m._CONFIGS[-1].num_warps)]  # nothing fits: the last
+    assert kept(256, 8, interpreted=True) == [(256, 4)]
 
 
 def test_pair_decode_order():

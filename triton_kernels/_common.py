@@ -273,10 +273,10 @@ def split_dot(a, x, acc, XPARTS: tl.constexpr, DOT16: tl.constexpr, EMU: tl.cons
     XPARTS 1: x holds values of the 16-bit type DOT16 names (0 fp16, 1 bf16: the activations arrived in it), one
     dot. XPARTS 3 (bf16): x = hi + mid + lo, each bf16 (8 + 8 + 8 significant bits hold fp32's 24, and bf16 has
     fp32's exponent range, so the split is exact without any scaling), three dots into the same accumulator.
-    EMU: the operands widened to fp32 (the interpreter; a may be fp32 already, see codes_to_dot).
+    EMU: the operands widened to fp32 (the interpreter; a may be fp32 already, see unpack_pairs).
     """
     if XPARTS == 1:
-        if EMU:  # a may already be fp32 here (codes_to_dot): round x through the 16-bit type it arrived in
+        if EMU:  # a may already be fp32 here (unpack_pairs): round x through the 16-bit type it arrived in
             xa = x.to(tl.bfloat16 if DOT16 == 1 else tl.float16)
             acc = tl.dot(a.to(tl.float32), xa.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -312,26 +312,6 @@ def dot_operands(x_dtype: torch.dtype, has_x_scale: bool = False) -> tuple[int, 
 def bucket(n: int, lo: int = 128, hi: int = 65536) -> int:
     """Power-of-two bucket of a length for autotune keys: next_pow2(n) clamped to [lo, hi]."""
     return min(hi, max(lo, next_pow2(n)))
-
-
-@triton.jit
-def codes_to_dot(u, OFFSET: tl.constexpr, DOT16: tl.constexpr, EMU: tl.constexpr):
-    """Codes u (int32 in [0, 2^b), b <= 4) -> u - OFFSET exactly, as fp16 (DOT16 0) or bf16 (1).
-
-    The code goes into the mantissa of a power of two (fp16 1024 = 0x6400, bf16 128 = 0x4300: their last mantissa
-    bit is 1, so 1024 + u / 128 + u are exact), and one subtraction removes it with the offset: the CUDA decoders'
-    trick (csrc/kvkernels/mma.cuh). EMU (the interpreter, whose bf16 arithmetic and int -> bf16 conversion are
-    broken): the same values in fp32, which split_dot's emulation multiplies in fp32 anyway.
-    """
-    if DOT16 == 0:
-        v = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        r = v - tl.full((), 1024.0 + OFFSET, tl.float16)
-    elif EMU:
-        r = (u - OFFSET).to(tl.float32)
-    else:
-        v = (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        r = v - tl.full((), 128.0 + OFFSET, tl.bfloat16)
-    return r
 
 
 @triton.jit
@@ -388,9 +368,11 @@ def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.
 
     Two values per 32-bit operation, as csrc/kvkernels/mma.cuh decodes them: a shift and a mask put values j and
     j + HALF of a word at bits 0 and 16, OR-ed over the magic pair (fp16 1024 / bf16 128 in each half); the halves
-    become the 16-bit pair and one packed subtraction removes magic + OFFSET (codes_to_dot's arithmetic). The
-    values of a word are joined into the last dims (tl.join keeps them in one thread), so the tile leaves for the
-    MMA's shared-memory staging as wide vectors.
+    become the 16-bit pair and one packed subtraction removes magic + OFFSET: the code sits in the mantissa of a
+    power of two (fp16 1024 = 0x6400, bf16 128 = 0x4300, whose last mantissa bit is 1, so 1024 + u / 128 + u are
+    exact). The values of a word are joined into the last dims (tl.join keeps them in one thread), so the tile leaves
+    for the MMA's shared-memory staging as wide vectors when a thread holds whole rows (gemv_inner_q's configs).
+    EMU (the interpreter, whose bf16 arithmetic is broken): the same exact values in fp32.
     """
     MAGIC2: tl.constexpr = 0x64006400 if DOT16 == 0 else 0x43004300
     R: tl.constexpr = row_ptrs.shape[0]
@@ -416,7 +398,7 @@ def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.
     v = tl.reshape(tl.join(lo, hi), (R, BK))
     if DOT16 == 0:
         r = v.to(tl.float16, bitcast=True) - tl.full((), 1024.0 + OFFSET, tl.float16)
-    elif EMU:  # the interpreter's bf16 arithmetic is broken (codes_to_dot): the same exact values in fp32
+    elif EMU:  # the interpreter's bf16 arithmetic is broken: the same exact values in fp32
         r = (v.to(tl.int32) - 0x4300 - OFFSET).to(tl.float32)
     else:
         r = v.to(tl.bfloat16, bitcast=True) - tl.full((), 128.0 + OFFSET, tl.bfloat16)

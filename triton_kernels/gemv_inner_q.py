@@ -8,7 +8,8 @@ row that reads them: the H_q/H_kv heads of its group times the T query rows, fla
 to the power of two QP >= 8 (masked): the N side of the MMA. It walks its share of L in chunks of BK values (BK
 divides the group size G, so a chunk is inside one group), and per chunk:
 
-- unpacks the [BLOCK_M, BK] codes to exact 16-bit integers (signed u - 2^(b-1) for sym, so the zero term vanishes);
+- unpacks the [BLOCK_M, BK] codes to exact 16-bit integers, two per 32-bit operation (unpack_pairs; signed
+  u - 2^(b-1) for sym, so the zero term vanishes), in registers of the thread that holds the rows;
 - multiplies them with the [BK, QP] activations on tensor cores (tl.dot, fp32 accumulation): activations that
   arrive as fp16 / bf16 are one dot in that type; fp32 activations (and any x_scale) are split exactly into three
   bf16 parts, three dots (_common.split_dot). Products are exact, sums fp32: the reference's arithmetic up to the
@@ -18,11 +19,11 @@ divides the group size G, so a chunk is inside one group), and per chunk:
 
 The reduction of the chunk stays inside the MMA (no cross-lane shuffles in the loop but the x-sums of asym / hybrid).
 The main loop takes VALS values (VALS / BK chunks, unrolled) per iteration at up to 16 query rows, the split's last
-chunks one by one. Tiles: BLOCK_M, VALS, num_warps and num_stages are autotuned (_CONFIGS) per (bits, mode, L bucket,
-query rows); BK = the largest of 128 / 64 / 32 that divides G. When B * H_kv * cdiv(M, BLOCK_M) is too few programs to
-fill the GPU (the value GEMV: M = head_dim, L = tokens), L is split across `splits` programs that write fp32 partials
-[splits, B, H_q, T, M], summed afterwards in a fixed order (deterministic); the split does not depend on the tuned
-config.
+chunks one by one. Tiles: BLOCK_M, VALS, num_warps and num_stages are autotuned (_CONFIGS, pruned to the tiles that
+fit M and the query rows) per (bits, mode, L bucket, M bucket, query rows); BK = the largest of 128 / 64 / 32 that
+divides G. When B * H_kv * cdiv(M, BLOCK_M) is too few programs to fill the GPU (the value GEMV: M = head_dim,
+L = tokens), L is split across `splits` programs that write fp32 partials [splits, B, H_q, T, M], summed afterwards in
+a fixed order (deterministic); the split does not depend on the tuned config.
 """
 
 import torch
@@ -36,7 +37,6 @@ from ._common import (
     INTERPRETED,
     bucket,
     check_device,
-    codes_to_dot,
     device_ctx,
     dot_operands,
     gqa_query_rows,
@@ -47,31 +47,36 @@ from ._common import (
     query_t_chunk,
     split_dot,
     unpack_pairs,
-    unpack_tile,
 )
 
 _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
 
-# Autotune configs (BLOCK_M code rows per program, VALS values of L per loop iteration, num_warps, num_stages). One
-# warp's MMA tile is 16 rows, so BLOCK_M = 16 * num_warps keeps every warp busy on its own rows; 64 rows x 4 warps is
-# the default (the only config under TRITON_INTERPRET=1, where tuning would only multiply test time), 128 x 8 halves
-# the per-row overhead of the activations' split at 8+ query rows, 32 x 2 gives short-M launches (the value GEMV at
-# head_dim 64) more programs, with 64 values per iteration (128 spilled 8 B there).
+# Autotune configs (BLOCK_M code rows per program, VALS values of L per loop iteration, num_warps, num_stages), in order
+# of preference: _prune keeps those that fit the launch (M, query rows) and the first kept is the default (the only
+# one under TRITON_INTERPRET=1, where tuning would only multiply test time). What decides the loop's cost is the rows
+# per thread: with two or more whole rows a thread decodes its rows' words in registers (two values per operation)
+# and writes the MMA operand with 16-byte stores, and the activations' split and the MMA round trips are shared by
+# more rows (bench/triton_budget.py, sm_90, 4 query rows, 3-bit keys: 64 x 4 warps, one row a thread, 37.7
+# instructions/byte decoding one value per operation, 46.5 with pairs; 256 x 4: 13.2). 256 x 4 (wgmma) serves the
+# long-M key GEMV; 128 x 2 and 64 x 1 (mma.sync) the value GEMV at head_dim 128 / 64, where a 256-row tile would be
+# half masked (128 x 1 is 2 instructions/byte leaner still, but spills in 26 of the compiled variants); 64 x 4 (the
+# previous default) is the tile whose accumulator fits at 32+ query rows, and gives the autotuner 4x the programs of
+# 256 x 4 where a GPU is latency-bound rather than issue-bound.
 _CONFIGS = [
+    triton.Config({"BLOCK_M": 256, "VALS": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_M": 128, "VALS": 64}, num_warps=2, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "VALS": 32}, num_warps=1, num_stages=3),
     triton.Config({"BLOCK_M": 64, "VALS": 128}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "VALS": 128}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 32, "VALS": 64}, num_warps=2, num_stages=4),
 ]
-# Bit widths decoded by unpack_pairs; 1 and 3 bits compile to fewer instructions per byte with unpack_tile
-# (bench/triton_budget.py: the pair tree's joins cost shared-memory round trips at 16 pairs per word / block).
-_PAIR_BITS = (2, 4)
+# fp32 accumulator registers a thread may hold (BLOCK_M x QP / threads): more spills at 32+ query rows
+_MAX_ACC_REGS = 32
 _SPLIT_BLOCK_M = 64  # the tile the split of L is planned with (independent of the config the autotuner picks)
 
 
 @triton.jit
 def _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row, zeros_ptr, z_row,
            BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_XS: tl.constexpr, BK: tl.constexpr,
-           DOT16: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
+           DOT16: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
     """acc + the chunk of BK values of L from l0 on (inside one group): the loop body of _gemv_inner_q_kernel."""
     BLOCK_M: tl.constexpr = acc.shape[0]
     QP: tl.constexpr = acc.shape[1]
@@ -83,10 +88,7 @@ def _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales
     # [BLOCK_M, BK] exact 16-bit codes; sym: signed, sum_l (s u_l - s 2^(b-1)) x_l = s * dot(u - 2^(b-1), x)
     OFF: tl.constexpr = 1 << (BITS - 1)
     c_off: tl.constexpr = OFF if MODE == 0 else 0
-    if PAIRS:
-        ua = unpack_pairs(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
-    else:
-        ua = codes_to_dot(unpack_tile(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, BITS, BK), c_off, DOT16, EMU)
+    ua = unpack_pairs(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
     d = split_dot(ua, xv, tl.zeros((BLOCK_M, QP), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, QP]
 
     g = l0 // GROUP
@@ -121,6 +123,7 @@ def _gemv_inner_q_kernel(
     L,
     per_split,  # values of L per split, a multiple of BK
     L_BUCKET,  # autotune key only: bucket(L)
+    M_BUCKET,  # autotune key only: the row tiles that fit M (_prune)
     # strides (elements; the last dim of every tensor is contiguous)
     sx_b,
     sx_h,
@@ -149,7 +152,6 @@ def _gemv_inner_q_kernel(
     DOT16: tl.constexpr,  # 0: fp16 operands, 1: bf16
     XPARTS: tl.constexpr,  # 1: x is exactly the 16-bit type, 3: fp32 x as three bf16 parts
     EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
-    PAIRS: tl.constexpr,  # decode two codes per 32-bit operation (unpack_pairs) instead of one (unpack_tile)
     BLOCK_M: tl.constexpr,
     VALS: tl.constexpr,  # values of L per main-loop iteration: NCH = VALS / BK chunks (one at QP > 16)
 ):
@@ -166,10 +168,7 @@ def _gemv_inner_q_kernel(
     s_row = b * ss_b + h_kv * ss_h + m64 * ss_m
     z_row = b * sz_b + h_kv * sz_h + m64 * sz_m
 
-    if PAIRS:
-        kv = pair_perm(tl.arange(0, BK), BITS)  # the value each position of the unpacked tile holds
-    else:
-        kv = tl.arange(0, BK)
+    kv = pair_perm(tl.arange(0, BK), BITS)  # the value each position of the unpacked tile holds
     acc = tl.zeros((BLOCK_M, QP), dtype=tl.float32)
     l_lo = pid_s * per_split
     l_hi = tl.minimum(l_lo + per_split, L)
@@ -184,17 +183,33 @@ def _gemv_inner_q_kernel(
     for l00 in range(l_lo, l_mid, BK * NCH):
         for j in tl.static_range(NCH):
             acc = _chunk(acc, l00 + j * BK, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row,
-                         zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU, PAIRS)  # fmt: skip
+                         zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU)  # fmt: skip
     for l0 in range(l_mid, l_hi, BK):
         acc = _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row, zeros_ptr,
-                     z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU, PAIRS)  # fmt: skip
+                     z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU)  # fmt: skip
 
     y_row = pid_s.to(tl.int64) * sy_s + b * sy_b + h_q * sy_h + t * sy_t
     tl.store(y_ptr + y_row[None, :] + m64[:, None], acc, mask=m_ok[:, None] & q_ok[None, :])
 
 
+def _prune(configs, named_args, **kwargs):
+    """The configs that fit the launch, in _CONFIGS' order: BLOCK_M at most M_BUCKET (a larger tile is mostly masked
+    rows) and at most _MAX_ACC_REGS accumulator registers per thread; at least the last config (the smallest tile).
+    Under TRITON_INTERPRET=1 only the first: one config, no timing."""
+    m_bucket = named_args.get("M_BUCKET", kwargs.get("M_BUCKET", 64))
+    qp = kwargs.get("QP", named_args.get("QP", 8))
+    keep = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= m_bucket and c.kwargs["BLOCK_M"] * qp <= _MAX_ACC_REGS * 32 * c.num_warps
+    ] or configs[-1:]
+    return keep[:1] if INTERPRETED else keep
+
+
 _gemv_inner_q_tuned = triton.autotune(
-    configs=_CONFIGS[:1] if INTERPRETED else _CONFIGS, key=["BITS", "MODE", "L_BUCKET", "QP"]
+    configs=_CONFIGS,
+    key=["BITS", "MODE", "L_BUCKET", "M_BUCKET", "QP"],
+    prune_configs_by={"early_config_prune": _prune},
 )(_gemv_inner_q_kernel)
 
 
@@ -245,11 +260,11 @@ def gemv_inner_q(
     with device_ctx(x):
         _gemv_inner_q_tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H_kv, splits)](
             x4, codes, scales.view(torch.int16), z, xs, y,
-            H_kv, M, T, Q, L, per_split, bucket(L),
+            H_kv, M, T, Q, L, per_split, bucket(L), bucket(M, 64, 256),
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *z.stride()[:3],
             xs.stride(0), *y.stride()[:4],
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], HAS_XS=x_scale is not None,
-            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT, PAIRS=bits in _PAIR_BITS,
+            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT,
         )  # fmt: skip
     y = y[0] if splits == 1 else y.sum(0)  # fixed-order sum: deterministic
     return y if has_t else y.squeeze(2)
