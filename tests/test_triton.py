@@ -147,7 +147,7 @@ def test_gemv_inner_q_prune():
         with mock.patch.object(m, "INTERPRETED", interpreted):
             return [(c.kwargs["BLOCK_M"], c.num_warps) for c in m._prune(m._CONFIGS, {"M_BUCKET": m_bucket, "QP": qp})]
 
-    assert kept(256, 8)[0] == (256, 4) and len(kept(256, 8)) == len(m._CONFIGS)  # key GEMV: every config
+    assert kept(4096, 8)[0] == (256, 4) and len(kept(4096, 8)) == len(m._CONFIGS)  # key GEMV: every config
     assert kept(128, 8)[0] == (128, 2) and all(rows <= 128 for rows, _ in kept(128, 8))  # values at head_dim 128
     assert kept(64, 8) == [(64, 1), (64, 4)]  # values at head_dim 64
     for qp in (16, 32, 64):

@@ -123,7 +123,7 @@ def _gemv_inner_q_kernel(
     L,
     per_split,  # values of L per split, a multiple of BK
     L_BUCKET,  # autotune key only: bucket(L)
-    M_BUCKET,  # autotune key only: the row tiles that fit M (_prune)
+    M_BUCKET,  # autotune key and _prune only: bucket(M, 64) (the key GEMV's M is the context length)
     # strides (elements; the last dim of every tensor is contiguous)
     sx_b,
     sx_h,
@@ -260,7 +260,7 @@ def gemv_inner_q(
     with device_ctx(x):
         _gemv_inner_q_tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H_kv, splits)](
             x4, codes, scales.view(torch.int16), z, xs, y,
-            H_kv, M, T, Q, L, per_split, bucket(L), bucket(M, 64, 256),
+            H_kv, M, T, Q, L, per_split, bucket(L), bucket(M, 64),
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *z.stride()[:3],
             xs.stride(0), *y.stride()[:4],
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], HAS_XS=x_scale is not None,
