@@ -221,6 +221,10 @@ __device__ __forceinline__ void kstep_compute(const LaneCodes<BITS, CPL> (&lc)[4
 template <int BITS>
 struct KiviRingStream {
   static constexpr int kStages = ring_stages(BITS), kSlot = ring_slot_bytes(BITS, true);
+  static constexpr int kMeta = 8;                         // a row's 4 scales (or zeros): 8 bytes
+  static constexpr int kCode = ring_code_bytes(BITS);     // the codes (16 rows), then 16 x kMeta scales,
+  static constexpr int kZeroAt = kCode + 16 * kMeta;      // then 16 x kMeta zeros
+  static_assert(kZeroAt + 16 * kMeta == kSlot, "slot layout");
   const char* c0;
   const char* c1;
   const char* m;
@@ -274,13 +278,14 @@ __device__ __forceinline__ KiviRingStream<BITS> kivi_ring_stream(char* ring, int
   const bool scales = lane < 16;
   st.m = reinterpret_cast<const char*>(scales ? s_tile + r * s_sr : z_tile + r * z_sr);
   st.dm = static_cast<int>(16 * rw * (scales ? s_sr : z_sr) * 2);
-  st.om = ring_code_bytes(BITS) + (scales ? 0 : 128) + 8 * (lane & 15);
+  st.om = (scales ? st.kCode : st.kZeroAt) + st.kMeta * (lane & 15);
   st.nm = static_cast<uint32_t>(2 * min(cols / 32, 4));
   return st;
 }
 
-// Where a lane reads in a slot: row 4t's word(s) of the lane's columns and its scale of group g / 2 (zero 128 bytes
-// on); rows 4t + 1 .. 4t + 3 follow at fixed strides. Computed once per stream, so an item costs immediate offsets.
+// Where a lane reads in a slot: row 4t's word(s) of the lane's columns and its scale of group g / 2 (its zero
+// kZeroAt - kCode bytes on); rows 4t + 1 .. 4t + 3 follow at fixed strides. Computed once per stream, so an item
+// costs immediate offsets.
 struct KiviRingLane {
   int code, hcode;  // bytes: the (low-plane) word, the high-plane word (3 bits)
   int meta;
@@ -290,7 +295,8 @@ template <int BITS>
 __device__ __forceinline__ KiviRingLane kivi_ring_lane(int g, int t) {
   const LaneSlot sl = lane_slot<BITS>(static_cast<int64_t>(g) * 16);  // words relative to the tile's first column
   const int row = 4 * t * ring_row_bytes(BITS);
-  return {row + 4 * sl.word, row + 4 * sl.hword, ring_code_bytes(BITS) + 8 * 4 * t + 2 * (g >> 1)};
+  using Stream = KiviRingStream<BITS>;
+  return {row + 4 * sl.word, row + 4 * sl.hword, Stream::kCode + Stream::kMeta * 4 * t + 2 * (g >> 1)};
 }
 
 // The k-step in a slot: rows 4t .. 4t + 3 of the lane's words, scales and zeros; then the arithmetic. The 4 rows a
@@ -300,6 +306,7 @@ template <int BITS, int NT>
 __device__ __forceinline__ void kivi_ring_compute(const char* slot, const KiviRingLane& ln,
                                                   const uint2* __restrict__ frag, int frag_nt_stride,
                                                   const LaneSel& ls, const KiviConsts& dec, float (&d)[8][NT][4]) {
+  using Stream = KiviRingStream<BITS>;
   constexpr int kRow = ring_row_bytes(BITS);
   LaneCodes<BITS, 16> lc[4];
   uint16_t s[4], z[4];
@@ -315,8 +322,8 @@ __device__ __forceinline__ void kivi_ring_compute(const char* slot, const KiviRi
       lc[j].w[0] = *reinterpret_cast<const uint32_t*>(code + j * kRow);
       lc[j].w[1] = BITS == 3 ? *reinterpret_cast<const uint32_t*>(hcode + j * kRow) : 0u;
     }
-    s[j] = *reinterpret_cast<const uint16_t*>(meta + 8 * j);
-    z[j] = *reinterpret_cast<const uint16_t*>(meta + 128 + 8 * j);
+    s[j] = *reinterpret_cast<const uint16_t*>(meta + Stream::kMeta * j);
+    z[j] = *reinterpret_cast<const uint16_t*>(meta + (Stream::kZeroAt - Stream::kCode) + Stream::kMeta * j);
   }
   kstep_compute<BITS, NT, 16>(lc, s, z, frag, frag_nt_stride, ls, dec, d);
 }
