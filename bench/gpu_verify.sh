@@ -20,7 +20,8 @@
 #   planner    the GEMV bench (innerq-base / small, kivi2, CUDA) with KVKERNELS_GEMV_PLANNER=v1 (and the ring off),
 #              with KVKERNELS_GEMV_RING=0 (today's planner, no ring), and with neither; then innerq-base / kivi2 at
 #              head_dim 64 (--model llama-3.2-1b) with the ring off, with one-tile ring items for the InnerQ keys
-#              (KVKERNELS_GEMV_RING64=0), and with today's two-tile items
+#              (KVKERNELS_GEMV_RING64=0), and with today's two-tile items; then the Triton GEMVs (innerq-base /
+#              asym4, 4k-128k), before v1
 # then a summary: pass/fail counts, sanitizer errors, top-line speedups -> OUTDIR/summary.txt (also printed).
 # A session has 15 device-minutes, machine start (~30 s) included: two calls of ~6.5 min, the second at once on the
 # warm machine (it goes back 30 s after a call), e.g.
@@ -306,15 +307,19 @@ if want planner; then
   # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk tiles: ring off, one tile
   # per ring item (KVKERNELS_GEMV_RING64=0), two (today's). The rings' A/B first, the first run's planner (v1) last:
   # the stage gets what the budget has left
-  for which in noring current hd64-noring hd64-onetile hd64-current v1; do
+  # triton: the Triton GEMVs' tiles of 2026-11-27 (whole rows a thread, stacked value tiles) against the first run's
+  # Triton rows (bench/RESULTS.md: innerq-base 0.64x fp16 at 128k), fp16 measured in the same run
+  for which in noring current hd64-noring hd64-onetile hd64-current triton v1; do
+    backend=cuda
     case $which in
       hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2) ;;
+      triton) T=$(slot 50 40) backend=triton grid=(--seqlens 4096 32768 131072 --methods innerq-base innerq-asym4) ;;
       *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2) ;;
     esac
     KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) \
       KVKERNELS_GEMV_RING=$([ "${which#hd64-}" = current ] || [ $which = hd64-onetile ] || echo 0) \
       KVKERNELS_GEMV_RING64=$([ $which = hd64-onetile ] && echo 0) \
-      timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" --batch 1 8 "${grid[@]}" --backends cuda \
+      timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" --batch 1 8 "${grid[@]}" --backends "$backend" \
       --budget-s $((T > 30 ? T - 20 : 10)) --no-plots --no-progress >"$WORK/planner-$which.log" 2>&1
     note "planner $which (${T}s cap): $(status_of $?)"
     grep -E '^(method|fp16|innerq|kivi)' "$WORK/planner-$which.log" | cut -c1-170 | sed "s/^/  $which| /" | tee -a "$SUMMARY"
@@ -369,7 +374,7 @@ else:
 EOF
 tar -czf "$OUT/extra.tar.gz" -C "$WORK" $(cd "$WORK" && ls build.log build-system-compiler.log exceptions.log exceptions-first-build.log failures.log junit.xml demo.log bench.log racecheck.log synccheck.log \
   attention_step.log attention_step.json generate_step.log generate_step.json ncu.log planner-v1.log \
-  planner-noring.log planner-current.log planner-hd64-noring.log planner-hd64-current.log 2>/dev/null)
+  planner-noring.log planner-current.log planner-hd64-noring.log planner-hd64-onetile.log planner-hd64-current.log planner-triton.log 2>/dev/null)
 note "total $(($(date +%s) - T0)) s; files: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
 cp "$SUMMARY" "$OUT/summary.txt"
 echo

@@ -124,12 +124,20 @@ def record(rows: int) -> list[Launch]:
 
 
 # ---- bytes of one loop iteration of one CTA ---------------------------------------------------------------------
+def inner_q_stack(c: dict) -> int:
+    """Sub-chunks of L an InnerQ tile stacks (the kernel's STACK): BLOCK_M // min(BLOCK_M, M_CAP); 1 before M_CAP."""
+    return c["BLOCK_M"] // min(c["BLOCK_M"], c["M_CAP"]) if "M_CAP" in c else 1
+
+
 def inner_q_values(c: dict) -> int:
-    """Values along L one main-loop iteration of the InnerQ kernel consumes: VALS (whole chunks of BK) at <= 16 query
-    rows, else one chunk (as the kernel's NCH); kernels before VALS: one chunk of BK; the first kernel: NB blocks."""
+    """Values along L one main-loop iteration of the InnerQ kernel decodes per tile row: NCH chunks of BK, NCH =
+    VALS / (STACK x BK) at <= 16 query rows, else one (as the kernel's NCH; a stacked tile row holds one sub-chunk
+    of each chunk); kernels before VALS: one chunk of BK; the first kernel: NB blocks."""
     if "BK" not in c:
         return 32 * c["NB"]
-    return max(c["BK"], c["VALS"]) if "VALS" in c and c["QP"] <= 16 else c["BK"]
+    ch = inner_q_stack(c) * c["BK"]
+    nch = c["VALS"] // ch if "VALS" in c and c["VALS"] > ch and c["QP"] <= 16 else 1
+    return nch * c["BK"]
 
 
 def tile_bytes(kernel: str, c: dict) -> tuple[float, str]:
@@ -140,7 +148,9 @@ def tile_bytes(kernel: str, c: dict) -> tuple[float, str]:
         params = 2 if mode == 0 else 4
         rows = c["BLOCK_M"]
         vals = inner_q_values(c)
-        return rows * (vals * bits / 8 + params * vals / G), f"{rows} rows x {vals} values"
+        stack = inner_q_stack(c)
+        tile = f"{rows} rows x {vals} values" if stack == 1 else f"{rows // stack} rows x {stack * vals} values"
+        return rows * (vals * bits / 8 + params * vals / G), tile
     if kernel == "_gemv_kivi_kernel":
         rows = c["BLOCK_R"]
         cols = c["BLOCK_C"] if "BLOCK_C" in c else 32 * c["NCB"]
@@ -194,7 +204,7 @@ def expected_mma(kernel: str, c: dict, warps: int, arch: int) -> int | None:
     if arch >= 90 and warps % 4 == 0 and c["BLOCK_M"] % (16 * warps) == 0:
         return c["BLOCK_M"] // (16 * warps) * k_steps
     if warps % 4 and c["BLOCK_M"] % (16 * warps) == 0:  # fewer warps than a warpgroup: mma.sync per warp
-        return c["BLOCK_M"] // (16 * warps) * max(1, c["QP"] // 8) * k_steps
+        return c["BLOCK_M"] // (16 * warps) * max(1, inner_q_stack(c) * c["QP"] // 8) * k_steps
     return None
 
 

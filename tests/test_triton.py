@@ -68,6 +68,10 @@ INNER_Q_CASES = {
     "b3-hybrid-fp16-gqa3-M65-L224-xscale": (3, "hybrid", "fp16", 1, 1, 3, None, 65, 224, 32, True, False),
     "b4-asym-fp32-T5-M33-L640-G128-split": (4, "asym", "fp32", 1, 1, 1, 5, 33, 640, 128, False, False),
     "b2-sym-bf16-gqa7-M17-L64-G64": (2, "sym", "bf16", 1, 1, 7, None, 17, 64, 64, False, False),
+    # M of 65-128 (the value GEMV at head_dim 128): the 256-row tile holds 128 rows x 2 sub-chunks of L; an odd count
+    # of chunks per split leaves the last sub-chunk masked (L 1184: 37 chunks in 2 splits of 19 and 18)
+    "b2-asym-fp32-gqa4-M128-L1184-split": (2, "asym", "fp32", 1, 1, 4, None, 128, 1184, 32, False, False),
+    "b3-sym-bf16-gqa2-T2-M100-L224-G32-xscale": (3, "sym", "bf16", 1, 2, 2, 2, 100, 224, 32, True, False),
     # M over 128 (the key GEMV's tokens): the 256-row tile, partly masked
     "b3-sym-fp32-gqa4-M300-D128-xscale": (3, "sym", "fp32", 1, 2, 4, None, 300, 128, 32, True, False),
     "b1-asym-fp32-gqa4-M257-D128-xscale": (1, "asym", "fp32", 1, 1, 4, None, 257, 128, 32, True, False),
@@ -139,19 +143,24 @@ def test_gemv_autotune_configs(mod, name):
 
 
 def test_gemv_inner_q_prune():
-    """The configs an InnerQ launch may run: no tile taller than M's bucket (the value GEMV's M is head_dim), none
-    whose accumulator is over _MAX_ACC_REGS per thread, never none; interpreted, only the first."""
+    """The configs an InnerQ launch may run: none whose accumulator is over _MAX_ACC_REGS per thread (a tile stacked
+    for a short M holds STACK x QP columns), stacked only on warpgroup tiles, never none; interpreted, only the
+    first."""
     m = importlib.import_module("kvkernels.triton_kernels.gemv_inner_q")
 
-    def kept(m_bucket, qp, interpreted=False):
+    def kept(m_cap, qp, interpreted=False):
         with mock.patch.object(m, "INTERPRETED", interpreted):
-            return [(c.kwargs["BLOCK_M"], c.num_warps) for c in m._prune(m._CONFIGS, {"M_BUCKET": m_bucket, "QP": qp})]
+            return [(c.kwargs["BLOCK_M"], c.num_warps) for c in m._prune(m._CONFIGS, {"M_CAP": m_cap, "QP": qp})]
 
-    assert kept(4096, 8)[0] == (256, 4) and len(kept(4096, 8)) == len(m._CONFIGS)  # key GEMV: every config
-    assert kept(128, 8)[0] == (128, 2) and all(rows <= 128 for rows, _ in kept(128, 8))  # values at head_dim 128
-    assert kept(64, 8) == [(64, 1), (64, 4)]  # values at head_dim 64
+    assert kept(256, 8)[0] == (256, 4) and len(kept(256, 8)) == len(m._CONFIGS)  # key GEMV: every config
+    assert kept(128, 8)[0] == (256, 4)  # values at head_dim 128: 128 rows x 2 sub-chunks of L
+    assert kept(128, 16)[0] == (128, 2)  # 8 query rows: the stacked accumulator would be 64 registers
+    assert kept(64, 8) == [(64, 1), (64, 4)]  # values at head_dim 64: no stacking on the two-warp tile
     for qp in (16, 32, 64):
-        assert all(rows * qp <= m._MAX_ACC_REGS * 32 * warps for rows, warps in kept(256, qp)), qp
+        for m_cap in (64, 128, 256):
+            for rows, warps in kept(m_cap, qp):
+                stack = rows // min(rows, m_cap)
+                assert rows * stack * qp <= m._MAX_ACC_REGS * 32 * warps and (stack == 1 or warps == 4)
     assert kept(256, 64) == [(64, 4)]  # 64 query rows: the tile of one row per thread
     with mock.patch.object(m, "_MAX_ACC_REGS", 1):
         assert kept(256, 8) == [(m._CONFIGS[-1].kwargs["BLOCK_M"], m._CONFIGS[-1].num_warps)]  # nothing fits: the last

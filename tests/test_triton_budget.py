@@ -73,16 +73,17 @@ def test_one_launch_parses_a_loop(tb):
     row = tb.analyse(ln, 90)
     c = row.m["counts"]
     assert row.regs > 0 and row.spill == 0
-    # the default tile of the value GEMV at head_dim 128: 128 rows on two warps (mma.sync, 2 whole rows a thread)
-    assert (ln.constexprs["BLOCK_M"], row.warps) == (128, 2)
-    # the loop of the tensor-core kernel: its MMAs (two warps: HMMA m16n8k16; expected_mma counts them, so a loop read
-    # as unrolled would be caught), code loads, the x-sums' shuffles only, no local memory
+    # the default tile of the value GEMV at head_dim 128: 128 rows x 2 sub-chunks of L stacked into 256 MMA rows on a
+    # warpgroup (wgmma; 2 whole rows a thread)
+    assert (ln.constexprs["BLOCK_M"], row.warps, ln.constexprs["M_CAP"]) == (256, 4, 128)
+    # the loop of the tensor-core kernel: its MMAs (expected_mma counts them, so a loop read as unrolled would be
+    # caught), code loads, the x-sums' shuffles only, no local memory
     assert row.m["mma"] == tb.expected_mma(ln.kernel, ln.constexprs, row.warps, 90) > 0 and row.unroll == 1
-    # an iteration is VALS = 64 values of L: 2 chunks of one group (32), each with its x-sum (the zero term)
-    assert ln.constexprs["VALS"] == 64 and ln.constexprs["BK"] == 32
+    # an iteration is VALS = 64 values of L: one stacked chunk of 2 x 32 (one group each), its x-sums (the zero term)
+    assert ln.constexprs["VALS"] == 64 and ln.constexprs["BK"] == 32 and tb.inner_q_stack(ln.constexprs) == 2
     assert row.m["shfl"] <= 2 * 8 and row.m["local_memory_in_loop"] == 0
     assert 20 < c["issue"] < 4000
-    # bytes of one iteration: 128 rows x 64 values x 4 bits + fp16 scale and zero per row and group of 32
+    # bytes of one iteration: 256 tile rows x 32 values x 4 bits + fp16 scale and zero per tile row (one group each)
     nbytes, tile = tb.tile_bytes("_gemv_inner_q_kernel", {**ln.constexprs})
-    assert nbytes == ln.constexprs["BLOCK_M"] * (64 * 4 / 8 + 4 * 2) and tile.endswith("x 64 values")
+    assert nbytes == ln.constexprs["BLOCK_M"] * (32 * 4 / 8 + 4 * 1) and tile == "128 rows x 64 values"
     assert row.m["instr_per_byte"] == pytest.approx(c["issue"] * 32 * row.warps / nbytes)

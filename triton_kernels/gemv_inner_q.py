@@ -3,27 +3,31 @@
     y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * (s[m, g] * u[m, l] + zeff[m, g]),  h_kv = h // (H_q/H_kv)
                   = sum_g  s[m, g] * dot(u_g, x_g)  +  zeff[m, g] * sum(x_g)
 
-Grid: (cdiv(M, BLOCK_M), B * H_kv, splits). A program owns BLOCK_M code rows of one KV head and serves every query
-row that reads them: the H_q/H_kv heads of its group times the T query rows, flattened to Q = ratio * T and padded
-to the power of two QP >= 8 (masked): the N side of the MMA. It walks its share of L in chunks of BK values (BK
-divides the group size G, so a chunk is inside one group), and per chunk:
+Grid: (cdiv(M, M_TILE), B * H_kv, splits). A program owns M_TILE code rows of one KV head and serves every query row
+that reads them: the H_q/H_kv heads of its group times the T query rows, flattened to Q = ratio * T and padded to the
+power of two QP >= 8 (masked): the N side of the MMA. Its MMA tile has BLOCK_M rows: M_TILE = BLOCK_M where M is
+long (the key GEMV: M = tokens); where M is short (the value GEMV: M = head_dim < BLOCK_M) the tile stacks
+STACK = BLOCK_M / M_TILE sub-chunks of L of the same M_TILE rows, against STACK x QP activation columns, and the
+(row, column) pairs of the same sub-chunk are summed at the end (the MMA does STACK x the products; a thread still
+decodes whole rows, which is what the loop's cost depends on: see _CONFIGS). It walks its share of L in chunks of
+STACK x BK values (BK divides the group size G, so a sub-chunk is inside one group), and per chunk:
 
 - unpacks the [BLOCK_M, BK] codes to exact 16-bit integers, two per 32-bit operation (unpack_pairs; signed
   u - 2^(b-1) for sym, so the zero term vanishes), in registers of the thread that holds the rows;
-- multiplies them with the [BK, QP] activations on tensor cores (tl.dot, fp32 accumulation): activations that
+- multiplies them with the [BK, STACK x QP] activations on tensor cores (tl.dot, fp32 accumulation): activations that
   arrive as fp16 / bf16 are one dot in that type; fp32 activations (and any x_scale) are split exactly into three
   bf16 parts, three dots (_common.split_dot). Products are exact, sums fp32: the reference's arithmetic up to the
   summation order;
-- applies the group's fp16 scale once to the chunk's [BLOCK_M, QP] dot, plus zeff times the chunk's x-sums
+- applies the group's fp16 scale once to the chunk's [BLOCK_M, STACK x QP] dot, plus zeff times the chunk's x-sums
   (asym / hybrid): two FMAs per output per chunk.
 
 The reduction of the chunk stays inside the MMA (no cross-lane shuffles in the loop but the x-sums of asym / hybrid).
-The main loop takes VALS values (VALS / BK chunks, unrolled) per iteration at up to 16 query rows, the split's last
-chunks one by one. Tiles: BLOCK_M, VALS, num_warps and num_stages are autotuned (_CONFIGS, pruned to the tiles that
-fit M and the query rows) per (bits, mode, L bucket, M bucket, query rows); BK = the largest of 128 / 64 / 32 that
-divides G. When B * H_kv * cdiv(M, BLOCK_M) is too few programs to fill the GPU (the value GEMV: M = head_dim,
-L = tokens), L is split across `splits` programs that write fp32 partials [splits, B, H_q, T, M], summed afterwards in
-a fixed order (deterministic); the split does not depend on the tuned config.
+The main loop takes VALS values (VALS / (STACK x BK) chunks, unrolled) per iteration at up to 16 query rows, the split's
+last chunks one by one (sub-chunks past the split's end masked). Tiles: BLOCK_M, VALS, num_warps and num_stages are
+autotuned (_CONFIGS, pruned to the tiles that fit M and the query rows) per (bits, mode, L bucket, M bucket, query
+rows); BK = the largest of 128 / 64 / 32 that divides G. When B * H_kv * cdiv(M, M_TILE) is too few programs to fill the
+GPU (the value GEMV: M = head_dim, L = tokens), L is split across `splits` programs that write fp32 partials [splits, B,
+H_q, T, M], summed afterwards in a fixed order (deterministic); the split does not depend on the tuned config.
 """
 
 import torch
@@ -51,57 +55,78 @@ from ._common import (
 
 _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
 
-# Autotune configs (BLOCK_M code rows per program, VALS values of L per loop iteration, num_warps, num_stages), in order
-# of preference: _prune keeps those that fit the launch (M, query rows) and the first kept is the default (the only
-# one under TRITON_INTERPRET=1, where tuning would only multiply test time). What decides the loop's cost is the rows
-# per thread: with two or more whole rows a thread decodes its rows' words in registers (two values per operation)
-# and writes the MMA operand with 16-byte stores, and the activations' split and the MMA round trips are shared by
-# more rows (bench/triton_budget.py, sm_90, 4 query rows, 3-bit keys: 64 x 4 warps, one row a thread, 37.7
-# instructions/byte decoding one value per operation, 46.5 with pairs; 256 x 4: 13.2). 256 x 4 (wgmma) serves the
-# long-M key GEMV; 128 x 2 and 64 x 1 (mma.sync) the value GEMV at head_dim 128 / 64, where a 256-row tile would be
-# half masked (128 x 1 is 2 instructions/byte leaner still, but spills in 26 of the compiled variants); 64 x 4 (the
-# previous default) is the tile whose accumulator fits at 32+ query rows, and gives the autotuner 4x the programs of
-# 256 x 4 where a GPU is latency-bound rather than issue-bound.
+# Autotune configs (BLOCK_M rows of the MMA tile, VALS values of L per loop iteration, num_warps, num_stages), in
+# order of preference: _prune keeps those that fit the launch (M, query rows) and the first kept is the default (the
+# only one under TRITON_INTERPRET=1, where tuning would only multiply test time). What decides the loop's cost is the
+# rows per thread: with two or more whole rows a thread decodes its rows' words in registers (two values per
+# operation) and writes the MMA operand with 16-byte stores, and the activations' split and the MMA round trips are
+# shared by more rows (bench/triton_budget.py, sm_90, 4 query rows: 3-bit keys on 64 x 4 warps, one row a thread,
+# 37.7 instructions/byte decoding one value per operation, 46.5 with pairs; 256 x 4: 13.2). 256 x 4 (wgmma) serves
+# the long-M key GEMV, and stacked (128 rows x 2 sub-chunks of L) the value GEMV at head_dim 128 (3-bit values: 128 x
+# 2 unstacked 17.8, stacked 256 x 4 15.4); 128 x 2 and 64 x 1 (mma.sync) the value GEMV at 8 query rows and at
+# head_dim 64 (128 x 1 is leaner than 128 x 2 but spills in 26 of the compiled variants); 64 x 4 (the previous
+# default) is the tile whose accumulator fits at 32+ query rows, and gives the autotuner 4x the programs of 256 x 4
+# where a GPU is latency-bound rather than issue-bound.
 _CONFIGS = [
     triton.Config({"BLOCK_M": 256, "VALS": 64}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_M": 128, "VALS": 64}, num_warps=2, num_stages=3),
     triton.Config({"BLOCK_M": 64, "VALS": 32}, num_warps=1, num_stages=3),
     triton.Config({"BLOCK_M": 64, "VALS": 128}, num_warps=4, num_stages=3),
 ]
-# fp32 accumulator registers a thread may hold (BLOCK_M x QP / threads): more spills at 32+ query rows
+# fp32 accumulator registers a thread may hold (BLOCK_M x STACK x QP / threads): more spills at 32+ query rows
 _MAX_ACC_REGS = 32
 _SPLIT_BLOCK_M = 64  # the tile the split of L is planned with (independent of the config the autotuner picks)
 
 
 @triton.jit
-def _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row, zeros_ptr, z_row,
-           BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_XS: tl.constexpr, BK: tl.constexpr,
-           DOT16: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
-    """acc + the chunk of BK values of L from l0 on (inside one group): the loop body of _gemv_inner_q_kernel."""
+def _chunk(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok, row_sub, scales_ptr, s_row,
+           zeros_ptr, z_row, BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_XS: tl.constexpr,
+           BK: tl.constexpr, DOT16: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr,
+           STACK: tl.constexpr):  # fmt: skip
+    """acc + the chunk of STACK x BK values of L from l0 on: the loop body of _gemv_inner_q_kernel.
+
+    STACK = 1: the tile's rows are BLOCK_M rows of M, the chunk BK values (inside one group). STACK > 1: row i of the
+    tile is row i % M_TILE of M over sub-chunk row_sub[i] = i // M_TILE (values l0 + row_sub * BK ..), and column
+    j of the activations is query row j % QP over sub-chunk col_sub[j]; the MMA computes every (row, column) pair,
+    the caller keeps the pairs whose sub-chunks match. Sub-chunks from l_hi on read as 0."""
     BLOCK_M: tl.constexpr = acc.shape[0]
-    QP: tl.constexpr = acc.shape[1]
-    l = l0 + kv
-    xv = tl.load(x_ptr + x_row[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [BK, QP]
-    if HAS_XS:
-        xv *= tl.load(xs_ptr + xs_row + l)[:, None]
+    SQ: tl.constexpr = acc.shape[1]
+    if STACK == 1:  # every column reads the same values of L (the chunk is whole: l_hi is a multiple of BK)
+        l = l0 + kv
+        xv = tl.load(x_ptr + x_col[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [BK, SQ]
+        if HAS_XS:
+            xv *= tl.load(xs_ptr + xs_row + l)[:, None]
+    else:
+        col_l0 = l0 + col_sub * BK  # [SQ]
+        col_ok = q_ok & (col_l0 < l_hi)
+        l2 = col_l0[None, :] + kv[:, None]  # [BK, SQ]
+        xv = tl.load(x_ptr + x_col[None, :] + l2, mask=col_ok[None, :], other=0.0).to(tl.float32)  # [BK, SQ]
+        if HAS_XS:
+            xv *= tl.load(xs_ptr + xs_row + l2, mask=col_ok[None, :], other=0.0)
 
     # [BLOCK_M, BK] exact 16-bit codes; sym: signed, sum_l (s u_l - s 2^(b-1)) x_l = s * dot(u - 2^(b-1), x)
     OFF: tl.constexpr = 1 << (BITS - 1)
     c_off: tl.constexpr = OFF if MODE == 0 else 0
-    ua = unpack_pairs(c_rows, (l0 // 32) * BITS, m_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
-    d = split_dot(ua, xv, tl.zeros((BLOCK_M, QP), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, QP]
+    if STACK == 1:
+        row_l0 = l0 + row_sub * 0  # [BLOCK_M]
+        row_ok = m_ok
+    else:
+        row_l0 = l0 + row_sub * BK  # [BLOCK_M]
+        row_ok = m_ok & (row_l0 < l_hi)
+    ua = unpack_pairs(c_rows, (l0 // 32) * BITS, row_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
+    d = split_dot(ua, xv, tl.zeros((BLOCK_M, SQ), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, SQ]
 
-    g = l0 // GROUP
-    scale_bits = tl.load(scales_ptr + s_row + g, mask=m_ok, other=0)  # [BLOCK_M]
+    g = row_l0 // GROUP
+    scale_bits = tl.load(scales_ptr + s_row + g, mask=row_ok, other=0)  # [BLOCK_M]
     if MODE == 0:
         zero = scale_bits  # unused by sym
     else:
-        zero = tl.load(zeros_ptr + z_row + g, mask=m_ok, other=0.0)
+        zero = tl.load(zeros_ptr + z_row + g, mask=row_ok, other=0.0)
     s, zeff = group_affine(scale_bits, zero, BITS, MODE)
     if MODE == 0:
         acc += s[:, None] * d
     else:
-        xsum = tl.sum(xv, axis=0)  # [QP]
+        xsum = tl.sum(xv, axis=0)  # [SQ]
         acc += s[:, None] * d + zeff[:, None] * xsum[None, :]
     return acc
 
@@ -152,57 +177,84 @@ def _gemv_inner_q_kernel(
     DOT16: tl.constexpr,  # 0: fp16 operands, 1: bf16
     XPARTS: tl.constexpr,  # 1: x is exactly the 16-bit type, 3: fp32 x as three bf16 parts
     EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
-    BLOCK_M: tl.constexpr,
-    VALS: tl.constexpr,  # values of L per main-loop iteration: NCH = VALS / BK chunks (one at QP > 16)
+    M_CAP: tl.constexpr,  # min(256, max(64, next_pow2(M))): the rows of M a program needs at most
+    BLOCK_M: tl.constexpr,  # the MMA tile's rows: M_TILE rows of M x STACK sub-chunks of L
+    VALS: tl.constexpr,  # values of L per main-loop iteration: NCH = VALS / (STACK BK) chunks (one at QP > 16)
 ):
+    # A short M (the value GEMV: head_dim) fills the tile with STACK sub-chunks of L of the same M_TILE rows, so each
+    # thread still decodes whole rows (see _CONFIGS)
+    M_TILE: tl.constexpr = BLOCK_M if BLOCK_M <= M_CAP else M_CAP
+    STACK: tl.constexpr = BLOCK_M // M_TILE
+    SQ: tl.constexpr = STACK * QP
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, 0, QP)
-    x_row = b * sx_b + h_q * sx_h + t * sx_t  # [QP] int64
+    # the activations' columns: query row j % QP of sub-chunk j // QP
+    cq = tl.arange(0, SQ)
+    col_sub = cq // QP
+    qq = cq % QP
+    x_col = b * sx_b + (h_kv * (Q // T) + (qq // T).to(tl.int64)) * sx_h + (qq % T).to(tl.int64) * sx_t  # [SQ]
+    col_q_ok = qq < Q
 
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_M)
+    row_sub = i // M_TILE
+    m = pid_m * M_TILE + i % M_TILE
     m_ok = m < M
     m64 = m.to(tl.int64)
-    c_rows = codes_ptr + (b * sc_b + h_kv * sc_h + m64 * sc_m)  # [BLOCK_M] pointers
+    # [BLOCK_M] pointers to each row's words of its sub-chunk (offset from the chunk's first word)
+    c_rows = codes_ptr + (b * sc_b + h_kv * sc_h + m64 * sc_m) + row_sub * (BK // 32 * BITS)
     s_row = b * ss_b + h_kv * ss_h + m64 * ss_m
     z_row = b * sz_b + h_kv * sz_h + m64 * sz_m
 
     kv = pair_perm(tl.arange(0, BK), BITS)  # the value each position of the unpacked tile holds
-    acc = tl.zeros((BLOCK_M, QP), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, SQ), dtype=tl.float32)
     l_lo = pid_s * per_split
     l_hi = tl.minimum(l_lo + per_split, L)
+    CH: tl.constexpr = STACK * BK  # values of L per chunk
     # at 32+ query rows the accumulator is large and the loop's work already shared by many rows: one chunk (four
     # spilled 32 B at 64 rows x 128 x 8 warps, tests/test_triton_compile.py)
-    NCH: tl.constexpr = VALS // BK if VALS > BK and QP <= 16 else 1
-    l_mid = l_lo + (l_hi - l_lo) // (BK * NCH) * (BK * NCH)
+    NCH: tl.constexpr = VALS // CH if VALS > CH and QP <= 16 else 1
+    l_mid = l_lo + (l_hi - l_lo) // (CH * NCH) * (CH * NCH)
     xs_row = h_kv * sxs_h
-    # NCH chunks (one group each) per iteration: the loop's own work (addresses, bounds, the pipeline's waits) once
-    # per VALS values instead of per group (bench/triton_budget.py, default config: 43.4 -> 37.7 instructions/byte
-    # at 3 bits, 31.2 -> 25.8 at 2, 17.7 -> 16.1 at 4); the split's last < NCH chunks one by one
-    for l00 in range(l_lo, l_mid, BK * NCH):
+    # NCH chunks per iteration: the loop's own work (addresses, bounds, the pipeline's waits) once per VALS values
+    # instead of per group (bench/triton_budget.py, 64 x 4 x 128 then: 43.4 -> 37.7 instructions/byte at 3 bits, 31.2
+    # -> 25.8 at 2, 17.7 -> 16.1 at 4); the split's last < NCH chunks one by one (sub-chunks from l_hi on masked)
+    for l00 in range(l_lo, l_mid, CH * NCH):
         for j in tl.static_range(NCH):
-            acc = _chunk(acc, l00 + j * BK, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row,
-                         zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU)  # fmt: skip
-    for l0 in range(l_mid, l_hi, BK):
-        acc = _chunk(acc, l0, x_ptr, x_row, q_ok, xs_ptr, xs_row, kv, c_rows, m_ok, scales_ptr, s_row, zeros_ptr,
-                     z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU)  # fmt: skip
+            acc = _chunk(acc, l00 + j * CH, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok,
+                         row_sub, scales_ptr, s_row, zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS,
+                         EMU, STACK)  # fmt: skip
+    for l0 in range(l_mid, l_hi, CH):
+        acc = _chunk(acc, l0, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok, row_sub,
+                     scales_ptr, s_row, zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU,
+                     STACK)  # fmt: skip
 
     y_row = pid_s.to(tl.int64) * sy_s + b * sy_b + h_q * sy_h + t * sy_t
-    tl.store(y_ptr + y_row[None, :] + m64[:, None], acc, mask=m_ok[:, None] & q_ok[None, :])
+    if STACK == 1:
+        tl.store(y_ptr + y_row[None, :] + m64[:, None], acc, mask=m_ok[:, None] & q_ok[None, :])
+    else:  # the (row, column) pairs of the same sub-chunk, summed over the sub-chunks: [M_TILE, QP]
+        acc = tl.where(row_sub[:, None] == col_sub[None, :], acc, 0.0)
+        y = tl.sum(tl.reshape(tl.sum(tl.reshape(acc, (BLOCK_M, STACK, QP)), axis=1), (STACK, M_TILE, QP)), axis=0)
+        mo = pid_m * M_TILE + tl.arange(0, M_TILE)
+        tl.store(y_ptr + y_row[None, :] + mo.to(tl.int64)[:, None], y, mask=(mo < M)[:, None] & q_ok[None, :])
 
 
 def _prune(configs, named_args, **kwargs):
-    """The configs that fit the launch, in _CONFIGS' order: BLOCK_M at most M_BUCKET (a larger tile is mostly masked
-    rows) and at most _MAX_ACC_REGS accumulator registers per thread; at least the last config (the smallest tile).
+    """The configs that fit the launch, in _CONFIGS' order: at most _MAX_ACC_REGS accumulator registers per thread
+    (BLOCK_M x STACK x QP over the threads: a tile stacked for a short M holds STACK x QP columns), and stacked only
+    on warpgroup (wgmma) tiles: on a one- or two-warp mma.sync tile stacking measured worse (head_dim 64 values,
+    3 sym: 64 x 1 18.4 instructions/byte, 128 x 2 stacked twice 21.7); at least the last config (the smallest tile).
     Under TRITON_INTERPRET=1 only the first: one config, no timing."""
-    m_bucket = named_args.get("M_BUCKET", kwargs.get("M_BUCKET", 64))
+    m_cap = kwargs.get("M_CAP", named_args.get("M_CAP", 256))
     qp = kwargs.get("QP", named_args.get("QP", 8))
-    keep = [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_M"] <= m_bucket and c.kwargs["BLOCK_M"] * qp <= _MAX_ACC_REGS * 32 * c.num_warps
-    ] or configs[-1:]
+
+    def fits(c):
+        rows, warps = c.kwargs["BLOCK_M"], c.num_warps
+        stack = rows // min(rows, m_cap)
+        return rows * stack * qp <= _MAX_ACC_REGS * 32 * warps and (stack == 1 or warps % 4 == 0)
+
+    keep = [c for c in configs if fits(c)] or configs[-1:]
     return keep[:1] if INTERPRETED else keep
 
 
@@ -258,13 +310,14 @@ def gemv_inner_q(
     z = zeros if zeros is not None else scales  # sym never reads it
     xs = x_scale if x_scale is not None else y  # placeholder pointer, never read
     with device_ctx(x):
-        _gemv_inner_q_tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H_kv, splits)](
+        m_cap = min(256, max(64, next_pow2(M)))
+        _gemv_inner_q_tuned[lambda meta: (triton.cdiv(M, min(meta["BLOCK_M"], m_cap)), B * H_kv, splits)](
             x4, codes, scales.view(torch.int16), z, xs, y,
             H_kv, M, T, Q, L, per_split, bucket(L), bucket(M, 64),
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *z.stride()[:3],
             xs.stride(0), *y.stride()[:4],
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], HAS_XS=x_scale is not None,
-            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT,
+            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT, M_CAP=m_cap,
         )  # fmt: skip
     y = y[0] if splits == 1 else y.sum(0)  # fixed-order sum: deterministic
     return y if has_t else y.squeeze(2)
