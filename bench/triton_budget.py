@@ -125,8 +125,10 @@ def record(rows: int) -> list[Launch]:
 
 # ---- bytes of one loop iteration of one CTA ---------------------------------------------------------------------
 def inner_q_stack(c: dict) -> int:
-    """Sub-chunks of L an InnerQ tile stacks (the kernel's STACK): BLOCK_M // min(BLOCK_M, M_CAP); 1 before M_CAP."""
-    return c["BLOCK_M"] // min(c["BLOCK_M"], c["M_CAP"]) if "M_CAP" in c else 1
+    """Sub-chunks of L an InnerQ tile stacks (the kernel's STACK, gemv_inner_q.tile_stack); 1 before M_CAP."""
+    if "M_CAP" not in c:
+        return 1
+    return importlib.import_module("kvkernels.triton_kernels.gemv_inner_q").tile_stack(c["BLOCK_M"], c["M_CAP"])
 
 
 def inner_q_values(c: dict) -> int:

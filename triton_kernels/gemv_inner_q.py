@@ -108,7 +108,7 @@ def _chunk(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, c_row
     OFF: tl.constexpr = 1 << (BITS - 1)
     c_off: tl.constexpr = OFF if MODE == 0 else 0
     if STACK == 1:
-        row_l0 = l0 + row_sub * 0  # [BLOCK_M]
+        row_l0 = l0  # every row reads the chunk's group
         row_ok = m_ok
     else:
         row_l0 = l0 + row_sub * BK  # [BLOCK_M]
@@ -177,7 +177,7 @@ def _gemv_inner_q_kernel(
     DOT16: tl.constexpr,  # 0: fp16 operands, 1: bf16
     XPARTS: tl.constexpr,  # 1: x is exactly the 16-bit type, 3: fp32 x as three bf16 parts
     EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
-    M_CAP: tl.constexpr,  # min(256, max(64, next_pow2(M))): the rows of M a program needs at most
+    M_CAP: tl.constexpr,  # min(256, bucket(M, 64)): the rows of M a program needs at most (tile_stack)
     BLOCK_M: tl.constexpr,  # the MMA tile's rows: M_TILE rows of M x STACK sub-chunks of L
     VALS: tl.constexpr,  # values of L per main-loop iteration: NCH = VALS / (STACK BK) chunks (one at QP > 16)
 ):
@@ -190,12 +190,11 @@ def _gemv_inner_q_kernel(
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, 0, QP)
+    x_row = b * sx_b + h_q * sx_h + t * sx_t  # [QP] int64
     # the activations' columns: query row j % QP of sub-chunk j // QP
-    cq = tl.arange(0, SQ)
-    col_sub = cq // QP
-    qq = cq % QP
-    x_col = b * sx_b + (h_kv * (Q // T) + (qq // T).to(tl.int64)) * sx_h + (qq % T).to(tl.int64) * sx_t  # [SQ]
-    col_q_ok = qq < Q
+    col_sub = tl.arange(0, SQ) // QP
+    x_col = tl.reshape(tl.broadcast_to(x_row[None, :], (STACK, QP)), (SQ,))
+    col_q_ok = tl.reshape(tl.broadcast_to(q_ok[None, :], (STACK, QP)), (SQ,))
 
     i = tl.arange(0, BLOCK_M)
     row_sub = i // M_TILE
@@ -240,6 +239,12 @@ def _gemv_inner_q_kernel(
         tl.store(y_ptr + y_row[None, :] + mo.to(tl.int64)[:, None], y, mask=(mo < M)[:, None] & q_ok[None, :])
 
 
+def tile_stack(block_m: int, m_cap: int) -> int:
+    """STACK of a BLOCK_M-row tile for a launch whose M needs at most m_cap rows (the kernel's rule, M_TILE =
+    BLOCK_M / STACK): 1 where M fills the tile, else the sub-chunks of L stacked under the same rows."""
+    return block_m // min(block_m, m_cap)
+
+
 def _prune(configs, named_args, **kwargs):
     """The configs that fit the launch, in _CONFIGS' order: at most _MAX_ACC_REGS accumulator registers per thread
     (BLOCK_M x STACK x QP over the threads: a tile stacked for a short M holds STACK x QP columns), and stacked only
@@ -251,7 +256,7 @@ def _prune(configs, named_args, **kwargs):
 
     def fits(c):
         rows, warps = c.kwargs["BLOCK_M"], c.num_warps
-        stack = rows // min(rows, m_cap)
+        stack = tile_stack(rows, m_cap)
         return rows * stack * qp <= _MAX_ACC_REGS * 32 * warps and (stack == 1 or warps % 4 == 0)
 
     keep = [c for c in configs if fits(c)] or configs[-1:]
@@ -310,10 +315,16 @@ def gemv_inner_q(
     z = zeros if zeros is not None else scales  # sym never reads it
     xs = x_scale if x_scale is not None else y  # placeholder pointer, never read
     with device_ctx(x):
-        m_cap = min(256, max(64, next_pow2(M)))
-        _gemv_inner_q_tuned[lambda meta: (triton.cdiv(M, min(meta["BLOCK_M"], m_cap)), B * H_kv, splits)](
+        m_bucket = bucket(M, 64)
+        m_cap = min(256, m_bucket)
+
+        def grid(meta):
+            m_tile = meta["BLOCK_M"] // tile_stack(meta["BLOCK_M"], m_cap)
+            return triton.cdiv(M, m_tile), B * H_kv, splits
+
+        _gemv_inner_q_tuned[grid](
             x4, codes, scales.view(torch.int16), z, xs, y,
-            H_kv, M, T, Q, L, per_split, bucket(L), bucket(M, 64),
+            H_kv, M, T, Q, L, per_split, bucket(L), m_bucket,
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *z.stride()[:3],
             xs.stride(0), *y.stride()[:4],
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], HAS_XS=x_scale is not None,
