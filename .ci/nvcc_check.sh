@@ -126,6 +126,8 @@ done
 # correctness, so no test would notice: read the SASS. VEC is the last template argument: gemv_kivi's bool
 # (mangled "Lb1EEE"), gemv_inner_q's int LOADS (1 "Li1EEE": 16-byte loads to registers; 2 "Li2EEE": the cp.async
 # ring, whose codes must arrive by 16-byte LDGSTS; 3 "Li3EEE": the ring's head_dim-64 key kernel, 8-byte LDGSTS).
+# gemv_lattice has no VEC variants (its register loads are 32-bit by design, and its "Lb1EEE" is another bool); its
+# keys' ring kernels (gemv_lattice_k_kernel<..., true>) must copy their code rows with 16- or 8-byte LDGSTS.
 echo
 CUOBJDUMP="$(command -v cuobjdump || ls "$(dirname "$(readlink -f "$NVCC")")/cuobjdump" \
   .venv/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -n 1)"
@@ -134,13 +136,12 @@ if [ -z "$CUOBJDUMP" ]; then
 else
   for o in "$WORK"/gemv_*.o; do
     [ -e "$o" ] || continue
-    # gemv_lattice has no VEC variants (its code loads are 32-bit by design; its last bool template argument is
-    # "norms in B", not VEC): nothing to check there
-    [[ "$(basename "$o")" == gemv_lattice.o ]] && continue
     "$CUOBJDUMP" -sass "$o" | awk '
       /code for sm_/ { arch = $3 }
-      /Function : / { fn = $3; if (fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 } if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 }
-                      if (fn ~ /Li3EEE/) { ring64[fn " " arch] = 1 } }
+      /Function : / { fn = $3; lat = fn ~ /gemv_lattice/
+                      if (!lat && fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 } if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 }
+                      if (fn ~ /Li3EEE/) { ring64[fn " " arch] = 1 }
+                      if (fn ~ /gemv_lattice_k_kernel.*Lb1EEEv/) { ringany[fn " " arch] = 1 } }
       /LDG\.E\.(64|128)/ { wide[fn " " arch] = 1 }
       /LDGSTS.*\.128/ { async[fn " " arch] = 1 }
       /LDGSTS.*\.64/ { async64[fn " " arch] = 1 }
@@ -148,6 +149,7 @@ else
         for (k in vec) { n++; if (!(k in wide)) { print "NARROW " k; bad++ } }
         for (k in ring) { n++; if (!(k in async)) { print "NARROW " k; bad++ } }
         for (k in ring64) { n++; if (!(k in async64)) { print "NARROW " k; bad++ } }
+        for (k in ringany) { n++; if (!(k in async) && !(k in async64)) { print "NARROW " k; bad++ } }
         print "#vec " n + 0 " narrow " bad + 0
       }' >"$WORK/wide.txt"
     summary="$(tail -n 1 "$WORK/wide.txt")"

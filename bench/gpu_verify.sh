@@ -307,14 +307,16 @@ if want planner; then
   # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk tiles: ring off, one tile
   # per ring item (KVKERNELS_GEMV_RING64=0), two (today's). The rings' A/B first, the first run's planner (v1) last:
   # the stage gets what the budget has left
+  # lattice2 rides along in noring / current / hd64-*: KVKERNELS_GEMV_RING=0 also turns off the lattice keys' ring
+  # (2026-11-27; its values' k-step batches have no switch)
   # triton: the Triton GEMVs' tiles of 2026-11-27 (whole rows a thread, stacked value tiles) against the first run's
   # Triton rows (bench/RESULTS.md: innerq-base 0.64x fp16 at 128k), fp16 measured in the same run
   for which in noring current hd64-noring hd64-onetile hd64-current triton v1; do
     backend=cuda
     case $which in
-      hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2) ;;
+      hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2 lattice2) ;;
       triton) T=$(slot 50 40) backend=triton grid=(--seqlens 4096 32768 131072 --methods innerq-base innerq-asym4) ;;
-      *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2) ;;
+      *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2 lattice2) ;;
     esac
     KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) \
       KVKERNELS_GEMV_RING=$([ "${which#hd64-}" = current ] || [ $which = hd64-onetile ] || echo 0) \
@@ -322,7 +324,7 @@ if want planner; then
       timeout "$T" $PY -m kvkernels bench --out "$WORK/planner-$which" --batch 1 8 "${grid[@]}" --backends "$backend" \
       --budget-s $((T > 30 ? T - 20 : 10)) --no-plots --no-progress >"$WORK/planner-$which.log" 2>&1
     note "planner $which (${T}s cap): $(status_of $?)"
-    grep -E '^(method|fp16|innerq|kivi)' "$WORK/planner-$which.log" | cut -c1-170 | sed "s/^/  $which| /" | tee -a "$SUMMARY"
+    grep -E '^(method|fp16|innerq|kivi|lattice)' "$WORK/planner-$which.log" | cut -c1-170 | sed "s/^/  $which| /" | tee -a "$SUMMARY"
   done
 fi
 if want bench; then

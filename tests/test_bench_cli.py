@@ -120,9 +120,10 @@ def test_cli_rejects_bad_arguments_up_front(args, message, capsys):
 
 
 @pytest.mark.parametrize("shape", sorted(bench.SHAPES))
-@pytest.mark.parametrize("method", ["innerq-base", "kivi2", "fp16"])
+@pytest.mark.parametrize("method", ["innerq-base", "kivi2", "fp16", "lattice3", "lattice2-d4"])
 def test_every_shape_builds_parts_that_match_the_reference(shape, method):
-    # the head_dim-64 shapes (--model llama-3.2-1b / smollm2-135m) time the same two GEMVs as llama-3.1-8b
+    # the head_dim-64 shapes (--model llama-3.2-1b / smollm2-135m) time the same two GEMVs as llama-3.1-8b; the
+    # lattice presets' output part is gemv_lattice_v (the keys' op on p would not give [B, H_q, D])
     s = bench.SHAPES[shape]
     m = bench.METHODS[method]
     impl, why = bench.resolve_impl(m, "torch" if m.op is None else "cpp", torch.device("cpu"))  # the compiled CPU op
@@ -136,6 +137,8 @@ def test_every_shape_builds_parts_that_match_the_reference(shape, method):
         assert torch.isfinite(out).all()
         if p.ref_fn is not None:
             torch.testing.assert_close(out, p.ref_fn(p.inputs))
+        if m.format == "lattice":  # compulsory bytes: the operand, codes, norms, fp32 result
+            assert p.bytes == sum(t.numel() * t.element_size() for t in p.inputs.values()) + out.numel() * 4
 
 
 def test_cli_refuses_a_grid_that_cannot_fit_in_memory(tmp_path, monkeypatch):

@@ -445,6 +445,19 @@ def test_lattice_shapes(values, grid, shape, T):
     _lattice_case(values, B, H_q, H_kv, T, N, D, G, grid, torch.float16, with_signs=N % 2 == 1, seed=N + D)
 
 
+@pytest.mark.parametrize("grid", [(2, 16), (2, 64)], ids=["EDEN2-16", "EDEN2-64"])
+@pytest.mark.parametrize("D, G", [(64, 64), (64, 32), (128, 128), (128, 32)], ids=lambda v: str(v))
+def test_lattice_keys_ring_matches_register_loads(D, G, grid, monkeypatch):
+    # contiguous codes and norms (a cache's layout) take the keys' cp.async ring up to head_dim 128, with several items
+    # per warp at 70k tokens on one KV head; KVKERNELS_GEMV_RING=0 the register loads: the same arithmetic in the same
+    # order, so bit-identical scores. EDEN2-64 at D 64: 24-byte rows, 8-byte pieces; G = D: two tokens' norms a piece.
+    args = (False, 1, 4, 1, None, 70_001, D, G, grid, torch.float16, True)
+    ring = _lattice_case(*args, seed=D + G)
+    monkeypatch.setenv("KVKERNELS_GEMV_RING", "0")
+    regs = _lattice_case(*args, seed=D + G)
+    assert torch.equal(ring, regs)
+
+
 @pytest.mark.parametrize("narrow", [False, True], ids=["contig", "narrowed"])
 @pytest.mark.parametrize("values", [False, True], ids=["keys", "values"])
 def test_lattice_views_and_long_T(values, narrow):

@@ -148,10 +148,25 @@ def test_spec_and_bytes_of_the_gemv_names():
 
 
 def test_spec_and_bytes_of_the_lattice_gemvs():
-    k = sb.spec_of("void kvk::(anonymous namespace)::gemv_lattice_k_kernel<(kvk::LatticeGrid)1, 128, 64, 2>(...)")
-    assert (k.family, k.mode, k.bits, k.dim, k.group, k.query_rows) == ("lattice_k", "EDEN2-64", 3, 128, 64, 8)
+    k = sb.spec_of("void kvk::(anonymous namespace)::gemv_lattice_k_kernel<(kvk::LatticeGrid)1, 128, 64, 2, true>(...)")
+    assert (k.family, k.mode, k.bits, k.dim, k.group, k.query_rows, k.ring) == (
+        "lattice_k",
+        "EDEN2-64",
+        3,
+        128,
+        64,
+        8,
+        True,
+    )
     # one 16-token tile: 16 rows x (128 channels x 3 bits + one fp16 norm per group of 64)
     assert sb.bytes_per_iteration(k) == 16 * (48 + 2 * 2)
+    # head_dim 64: the ring's items are two tiles; the register loads take one per iteration
+    k64 = sb.spec_of("gemv_lattice_k_kernel<(kvk::LatticeGrid)0, 64, 32, 1, true>")
+    k64r = sb.spec_of("gemv_lattice_k_kernel<(kvk::LatticeGrid)0, 64, 32, 1, false>")
+    assert sb.bytes_per_iteration(k64) == 2 * sb.bytes_per_iteration(k64r) == 2 * 16 * (16 + 2 * 2)
+    # the launched rows: the ring up to head_dim 128, register loads at 256
+    assert sb.is_preset(k, "90") and sb.is_preset(k64, "90") and not sb.is_preset(k64r, "90")
+    assert sb.is_preset(sb.spec_of("gemv_lattice_k_kernel<(kvk::LatticeGrid)0, 256, 32, 1, false>"), "90")
     v = sb.spec_of("void kvk::(anonymous namespace)::gemv_lattice_v_kernel<(kvk::LatticeGrid)3, 64, 1, true>(...)")
     assert (v.family, v.mode, v.bits, v.dim, v.norms_in_b, v.query_rows) == ("lattice_v", "EDEN4-256", 2, 64, True, 4)
     # one k-step: 16 tokens x (64 channels x 2 bits + the norm of their one group)

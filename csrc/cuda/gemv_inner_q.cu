@@ -314,7 +314,8 @@ __device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_
 // item, 4 (a chunk: 16-byte code pieces, 8 bytes of scales per row) or 2 (keys at head_dim 64, below: 8 and 4). ROWS:
 // 16 (one tile) or 32 (two consecutive tiles: keys at head_dim 64, below).
 template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks, int ROWS = 16>
-struct RingStream {
+struct RingStream : RingCopies<(ROWS * BITS + 31) / 32, 4 * BLOCKS, ROWS == 32 && MODE != QuantMode::kSym ? 2 : 1,
+                               2 * BLOCKS> {
   static constexpr bool kZeros = MODE != QuantMode::kSym;
   static constexpr int kPiece = 4 * BLOCKS;  // bytes of a code piece (a row is BITS pieces)
   static constexpr int kMeta = 2 * BLOCKS;   // bytes of a row's scales (zeros)
@@ -334,30 +335,6 @@ struct RingStream {
   static_assert(ROWS == 16 || ROWS == 32, "an item is one or two 16-row tiles");
   static_assert(kSlot <= ring_slot_bytes(BITS, kZeros), "the planner sizes 128-value slots");
   static_assert(kStages >= 2 && kStages * kSlot <= kWarpBytes, "the ring fits the planner's per-warp bytes");
-  const char* c[kPerLane];
-  const char* m[kMetaPerLane];
-  int64_t dc, dm[kMetaPerLane];
-  int o[kPerLane], om[kMetaPerLane];
-  bool has[kPerLane], hasm[kMetaPerLane];
-  char* ring;
-  int n;
-
-  // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
-  __device__ __forceinline__ void issue(int i, char* slot) {
-    if (i < n) {
-#pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        if (has[k]) cp_async<kPiece>(smem_addr(slot + o[k]), c[k]);
-        c[k] += dc;
-      }
-#pragma unroll
-      for (int k = 0; k < kMetaPerLane; ++k) {
-        if (hasm[k]) cp_async<kMeta>(smem_addr(slot + om[k]), m[k]);
-        m[k] += dm[k];
-      }
-    }
-    cp_async_commit();
-  }
 };
 
 // The stream of a warp's items whose row r (0..ROWS - 1) is row min(row0 + r, last) of the (b, h_kv) slice: codes c_bh
@@ -372,6 +349,9 @@ __device__ __forceinline__ RingStream<BITS, MODE, BLOCKS, ROWS> ring_stream(char
                                                                             int64_t ds_bytes, int64_t dz_bytes,
                                                                             int lane) {
   using Stream = RingStream<BITS, MODE, BLOCKS, ROWS>;
+  static_assert(std::is_base_of_v<RingCopies<Stream::kPerLane, Stream::kPiece, Stream::kMetaPerLane, Stream::kMeta>,
+                                  Stream>,
+                "the copies' shape");
   Stream st;
   st.ring = ring;
   st.n = n;

@@ -17,12 +17,15 @@
 // EDEN2-16 through a 256-entry pair table (the two indices of a byte), EDEN4-256 one entry per quad (both read as two
 // LDS.32, which land in a[0] / a[2] without moves), EDEN2-256 / EDEN2-64 one LDS.32 per pair. The MMA accumulates a
 // group's k-steps in fp32; the group's norm multiplies the sum in fp32 (G is a template argument: one fold per group).
+// Up to head_dim 128 whole tiles arrive through a per-warp cp.async ring (KeyRingStream: a tile's code rows and norms,
+// 2-6 items in flight), so that a warp's loads are not one tile at a time.
 //
 // Values: CTA = (split of N, (b, h_kv)); its warps = (D / DW column tiles) x (row lanes over the split's k-steps of
 // 16 tokens), as gemv_kivi. A = 16 channels x 16 tokens: lane group g owns a slice of the warp's channels, thread t
 // tokens 4t .. 4t + 3 of each k-step; a looked-up half2 holds two channels of one token, so pairs of tokens are
 // gathered with PRMT (EDEN2-16 instead uses a two-token table: one LDS.64 gives both channels of a pair for two
-// tokens). With one group per row (G = D) the norm multiplies p in fp32 before the hi / lo split; otherwise the split's
+// tokens). The main loop takes 2-4 k-steps per iteration, their code words loaded before the first MMA (value_unroll).
+// With one group per row (G = D) the norm multiplies p in fp32 before the hi / lo split; otherwise the split's
 // norms are staged in shared memory ([group][token], one LDS.64 per k-step gives a thread's four) and multiply A in
 // fp16 (HMUL2). The row lanes' fp32 partial sums are added in shared memory in a fixed order; one split finishes in
 // the CTA (inverse FWHT, signs), several write their rotated partial sums to the workspace and lattice_v_finish adds
@@ -39,7 +42,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
+#include "kvkernels/code_ring.cuh"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/lattice.cuh"
 #include "kvkernels/mma.cuh"
@@ -51,6 +56,7 @@ constexpr int kWarps = 8;  // 256 threads
 constexpr int kThreads = 32 * kWarps;
 constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
 constexpr int kSmemBudget = 44 * 1024;    // under the 48 KiB a launch gets without opting in
+constexpr int64_t kCtaSmem = 48 * 1024;   // the keys with their code ring: all of it
 constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch
 constexpr int64_t kMinSplitTokens = 512;  // below this a values split's staging costs more than its codes
 
@@ -132,6 +138,34 @@ __device__ __forceinline__ const T* launder(const T* p) {
 #endif
 }
 
+// A read-only element of the codes or norms: from global memory through the non-coherent cache, or (SMEM) from a ring
+// slot in shared memory.
+template <bool SMEM, typename T>
+__device__ __forceinline__ T ld_ro(const T* p) {
+  if constexpr (SMEM) return *p;
+  else return __ldg(p);
+}
+
+// A code row of KW words from shared memory into registers: 16-byte loads (KW % 4 == 0, rows 16-byte aligned), else
+// 8-byte ones (the 24-byte rows of EDEN2-64 at D = 64, 8-byte aligned).
+template <int KW>
+__device__ __forceinline__ void copy_row(const uint32_t* src, uint32_t (&dst)[KW]) {
+  if constexpr (KW % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < KW / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+      dst[4 * i] = v.x, dst[4 * i + 1] = v.y, dst[4 * i + 2] = v.z, dst[4 * i + 3] = v.w;
+    }
+  } else {
+    static_assert(KW % 2 == 0, "code rows are whole 8-byte pieces");
+#pragma unroll
+    for (int i = 0; i < KW / 2; ++i) {
+      const uint2 v = reinterpret_cast<const uint2*>(src)[i];
+      dst[2 * i] = v.x, dst[2 * i + 1] = v.y;
+    }
+  }
+}
+
 __device__ __forceinline__ uint32_t lds32(const char* tab, uint32_t addr) {
   return *reinterpret_cast<const uint32_t*>(tab + addr);
 }
@@ -178,27 +212,28 @@ struct KeyLane {
   uint32_t xmask, xmul;  // EDEN2-64: quarter t's X index (x_addr)
 };
 
-// A[0] / A[2] of one token for k-step ks: rows g (a0, a2) or g + 8 (a1, a3) of the MMA's A operand.
-template <LatticeGrid GRID>
+// A[0] / A[2] of one token for k-step ks: rows g (a0, a2) or g + 8 (a1, a3) of the MMA's A operand. `row` is the
+// token's code row in global memory, or (SMEM) in a ring slot.
+template <LatticeGrid GRID, bool SMEM>
 __device__ __forceinline__ void key_lookup(const uint32_t* __restrict__ row, int ks, const KeyLane& kl,
                                            const char* tab, uint32_t& lo, uint32_t& hi) {
   constexpr int S = Table<GRID>::kShift;
   if constexpr (Table<GRID>::kWide) {  // byte t of word ks: two pairs (EDEN2-16) or one quad (EDEN4-256)
     // two LDS.32 of the entry's halves rather than one LDS.64: the MMA wants them in registers a[0] and a[2], apart
     // (an LDS.64 pair costs four moves per k-step; the shared-memory wavefronts are the same)
-    const uint32_t addr = field_addr<S, 8>(__ldg(row + ks), kl.pos, kl.lane_off);
+    const uint32_t addr = field_addr<S, 8>(ld_ro<SMEM>(row + ks), kl.pos, kl.lane_off);
     lo = lds32(tab, addr);
     hi = lds32(tab, addr + 4);
   } else if constexpr (GRID == LatticeGrid::kE2_256) {  // byte t of words 2 ks (pair t) and 2 ks + 1 (pair 4 + t)
-    lo = lds32(tab, field_addr<S, 8>(__ldg(row + 2 * ks), kl.pos, kl.lane_off));
-    hi = lds32(tab, field_addr<S, 8>(__ldg(row + 2 * ks + 1), kl.pos, kl.lane_off));
+    lo = lds32(tab, field_addr<S, 8>(ld_ro<SMEM>(row + 2 * ks), kl.pos, kl.lane_off));
+    hi = lds32(tab, field_addr<S, 8>(ld_ro<SMEM>(row + 2 * ks + 1), kl.pos, kl.lane_off));
   } else {  // EDEN2-64: quarter t of block ks / 2, elements 0 and 1 (even ks) or 2 and 3 (odd ks)
     const uint32_t* blk = row + 3 * (ks / 2);
     if (ks % 2 == 0) {
-      lo = lds32(tab, field_addr<S, 6>(__ldg(blk), kl.pos, kl.lane_off));
-      hi = lds32(tab, field_addr<S, 6>(__ldg(blk + 1), kl.pos, kl.lane_off));
+      lo = lds32(tab, field_addr<S, 6>(ld_ro<SMEM>(blk), kl.pos, kl.lane_off));
+      hi = lds32(tab, field_addr<S, 6>(ld_ro<SMEM>(blk + 1), kl.pos, kl.lane_off));
     } else {
-      const uint32_t w0 = __ldg(blk), w1 = __ldg(blk + 1), w2 = __ldg(blk + 2);
+      const uint32_t w0 = ld_ro<SMEM>(blk), w1 = ld_ro<SMEM>(blk + 1), w2 = ld_ro<SMEM>(blk + 2);
       lo = lds32(tab, field_addr<S, 6>(w2, kl.pos, kl.lane_off));
       hi = lds32(tab, x_addr<S>(quarter_top(w0, w1, w2), kl.xmask, kl.xmul, kl.lane_off));
     }
@@ -210,7 +245,110 @@ __device__ __forceinline__ void key_lookup(const uint32_t* __restrict__ row, int
 // memory (one LDS.128 per two k-steps and n-tile).
 __host__ __device__ constexpr bool key_b_in_smem(int dim, int) { return dim > 128; }
 
-template <LatticeGrid GRID, int DIM, int G, int NT>
+// Shared memory before the keys' ring: the table, the rotated query rows, (D = 256) the B fragments, the row maxima.
+__host__ __device__ constexpr int64_t key_fixed_bytes(int64_t table, int dim, int nt) {
+  return round_up(table + 4 * nt * dim * 4 + (key_b_in_smem(dim, nt) ? dim / 16 * nt * 32 * 8 : 0) + 4 * nt * 4, 16);
+}
+
+// ---- the keys' code ring (kvkernels/code_ring.cuh) ------------------------------------------------------------------
+// The loop above with register loads keeps one 16-token tile per warp in flight: 5-10 KB per SM at head_dim 64 / 128,
+// which the SASS model (bench/sass_budget.py, calibrated on the first GPU run's register-load GEMVs) puts at 23-50 % of
+// copy bandwidth. The ring's item is a warp's next tile (head_dim 128) or next two (head_dim 64: tiles w + 16 k and
+// w + 8 + 16 k of warp w, so that the copies and the ring's own work are paid per 32 rows as at head_dim 128): per tile
+// its 16 code rows, then its [16][D / G] norms, copied with cp.async while the warp scores earlier items. A row is
+// D * bits / 8 bytes (16-64; 16-byte pieces, 8-byte ones for the 24-byte rows of EDEN2-64 at D = 64), padded by 16
+// bytes where its length is a multiple of 32, so that the rows g = 0..7 one shared load touches (a quad reads one word)
+// fall in distinct banks. Head_dim 256 tiles keep 17-36 KB in flight with register loads and keep them.
+constexpr int kKeyRingTarget = 1536;  // compulsory bytes a warp keeps in flight (x 16 warps per SM: 24 KB)
+__host__ __device__ constexpr bool key_ring_dim(int dim) { return dim <= 128; }
+__host__ __device__ constexpr int key_ring_tiles(int dim) { return dim == 64 ? 2 : 1; }  // tiles per item
+__host__ __device__ constexpr int key_row_bytes(int bits, int dim) { return dim * bits / 8; }
+__host__ __device__ constexpr int key_ring_piece(int bits, int dim) {
+  return key_row_bytes(bits, dim) % 16 == 0 ? 16 : 8;
+}
+__host__ __device__ constexpr int key_ring_stride(int bits, int dim) {
+  return key_row_bytes(bits, dim) + (key_row_bytes(bits, dim) % 32 == 0 ? 16 : 0);
+}
+__host__ __device__ constexpr int key_ring_tile_bytes(int bits, int dim, int ng) {  // one tile's part of a slot
+  return 16 * key_ring_stride(bits, dim) + 32 * ng;
+}
+__host__ __device__ constexpr int key_ring_slot(int bits, int dim, int ng) {
+  return key_ring_tiles(dim) * key_ring_tile_bytes(bits, dim, ng);
+}
+// Stages per warp: enough for kKeyRingTarget bytes in flight (stages - 1 items), within a CTA's 48 KiB after the fixed
+// part at 8 query rows.
+__host__ __device__ constexpr int key_ring_stages(int bits, int dim, int ng, int64_t table) {
+  const int item = key_ring_tiles(dim) * (16 * key_row_bytes(bits, dim) + 32 * ng);
+  const int want = 1 + static_cast<int>(ceil_div(kKeyRingTarget, item));
+  const int fit = static_cast<int>((kCtaSmem - key_fixed_bytes(table, dim, 2)) / (kWarps * key_ring_slot(bits, dim, ng)));
+  return want < fit ? want : fit;
+}
+
+__host__ __device__ constexpr int key_ring_lane_codes(int bits, int dim) {  // code pieces a lane copies per item
+  return (key_ring_tiles(dim) * 16 * key_row_bytes(bits, dim) / key_ring_piece(bits, dim) + 31) / 32;
+}
+__host__ __device__ constexpr int key_ring_lane_norms(int dim, int ng) {  // 4-byte norm pieces a lane copies per item
+  return (key_ring_tiles(dim) * 8 * ng + 31) / 32;
+}
+
+// One warp's stream of n items through its ring (run_ring's Stream; the copies: RingCopies): this lane's code pieces
+// (lane, lane + 32, ...) and norm pieces (4 bytes: two norms of a token, or of two tokens at D / G = 1), their offsets
+// in a slot, and the bytes the sources move from one item to the next (kTiles x kWarps tiles).
+template <LatticeGrid GRID, int DIM, int G>
+struct KeyRingStream : RingCopies<key_ring_lane_codes(lattice_bits(GRID), DIM), key_ring_piece(lattice_bits(GRID), DIM),
+                                  key_ring_lane_norms(DIM, DIM / G), 4> {
+  static constexpr int kBits = lattice_bits(GRID), NG = DIM / G, kTiles = key_ring_tiles(DIM);
+  static constexpr int kRow = key_row_bytes(kBits, DIM), kPiece = key_ring_piece(kBits, DIM);
+  static constexpr int kStride = key_ring_stride(kBits, DIM);
+  static constexpr int kNormAt = 16 * kStride;  // a tile's norms [16][NG] after its code rows
+  static constexpr int kTileBytes = key_ring_tile_bytes(kBits, DIM, NG);
+  static constexpr int kSlot = key_ring_slot(kBits, DIM, NG);
+  static constexpr int kStages = key_ring_stages(kBits, DIM, NG, Table<GRID>::kBytes);
+  static constexpr int kRowPieces = kRow / kPiece, kTilePieces = 16 * kRowPieces;
+  static constexpr int kPerLane = (kTiles * kTilePieces + 31) / 32;
+  static constexpr int kTileNormPieces = 8 * NG, kNormPerLane = (kTiles * kTileNormPieces + 31) / 32;
+  static_assert(key_ring_dim(DIM) && kRow % kPiece == 0 && kStride % kPiece == 0 && kNormAt % 16 == 0, "layout");
+  static_assert(kStages >= 2 && kWarps * kStages * kSlot <= kCtaSmem - key_fixed_bytes(Table<GRID>::kBytes, DIM, 2),
+                "the ring fits the CTA's shared memory");
+};
+
+// The stream of a warp's n items: tile h of item k starts at token n_first + 16 kWarps (kTiles k + h) of the
+// (b, h_kv) slice whose codes start at c_bh and norms at r_bh.
+template <LatticeGrid GRID, int DIM, int G>
+__device__ __forceinline__ KeyRingStream<GRID, DIM, G> key_ring_stream(char* ring, int n, int64_t n_first,
+                                                                       const uint32_t* c_bh, const uint16_t* r_bh,
+                                                                       const GemvLatticeParams& p, int lane) {
+  using Stream = KeyRingStream<GRID, DIM, G>;
+  static_assert(std::is_base_of_v<RingCopies<Stream::kPerLane, Stream::kPiece, Stream::kNormPerLane, 4>, Stream>,
+                "the copies' shape");
+  Stream st;
+  st.ring = ring;
+  st.n = n;
+  st.dc = 16 * kWarps * Stream::kTiles * p.c_sn * 4;
+#pragma unroll
+  for (int k = 0; k < Stream::kPerLane; ++k) {
+    const int pc = lane + 32 * k, h = pc / Stream::kTilePieces, pt = pc - h * Stream::kTilePieces;
+    const int r = pt / Stream::kRowPieces, j = pt - r * Stream::kRowPieces;
+    st.has[k] = h < Stream::kTiles;
+    const int64_t tok = n_first + (st.has[k] ? 16 * kWarps * h + r : 0);
+    st.c[k] = reinterpret_cast<const char*>(c_bh + tok * p.c_sn) + j * Stream::kPiece;
+    st.o[k] = h * Stream::kTileBytes + r * Stream::kStride + j * Stream::kPiece;
+  }
+#pragma unroll
+  for (int k = 0; k < Stream::kNormPerLane; ++k) {
+    const int pn = lane + 32 * k, h = pn / Stream::kTileNormPieces;
+    const int e = 2 * (pn - h * Stream::kTileNormPieces), r = e / Stream::NG, gi = e - r * Stream::NG;  // of [16][NG]
+    st.hasm[k] = h < Stream::kTiles;
+    const int64_t tok = n_first + (st.hasm[k] ? 16 * kWarps * h + r : 0);
+    st.m[k] = reinterpret_cast<const char*>(r_bh + tok * p.r_sn + gi);
+    st.om[k] = h * Stream::kTileBytes + Stream::kNormAt + 2 * e;
+    st.dm[k] = 16 * kWarps * Stream::kTiles * p.r_sn * 2;
+  }
+  return st;
+}
+
+// RING: whole tiles through the code ring (key_ring_dim(DIM); the launcher checks the alignment: key_ring_ok).
+template <LatticeGrid GRID, int DIM, int G, int NT, bool RING>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel(const GemvLatticeParams p,
                                                                                  const LatticeKLaunch k) {
   using TB = Table<GRID>;
@@ -226,6 +364,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
   uint4* bsm = reinterpret_cast<uint4*>(qbuf + QR * DIM);
   float* amax = qbuf + QR * DIM + (kBSmem ? KS * NT * 32 * 2 : 0);  // [QR] max |q'| per row
   const char* tabb = reinterpret_cast<const char*>(smem);
+  char* ring = reinterpret_cast<char*>(smem) + key_fixed_bytes(TB::kBytes, DIM, NT);  // RING: kWarps rings
 
   const int H_kv = static_cast<int>(p.H_kv);
   const int64_t b = static_cast<int>(blockIdx.z) / H_kv, hkv = static_cast<int>(blockIdx.z) % H_kv;
@@ -299,9 +438,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
     }
 
     // ---- 16-token tiles: thread (g, t) scores tokens g and g + 8 -------------------------------------------------------
-    // rows ca / cb of codes, ra / rb of norms -> acc[nt][0 / 1] for query row 4 nt + t
-    const auto tile_scores = [&](const uint32_t* ca, const uint32_t* cb, const uint16_t* ra, const uint16_t* rb,
-                                 float (&acc)[NT][2]) {
+    // rows ca / cb of codes, ra / rb of norms (in global memory, or in a ring slot: from_smem) -> acc[nt][0 / 1] for
+    // query row 4 nt + t
+    const auto tile_scores = [&](auto from_smem, const uint32_t* ca, const uint32_t* cb, const uint16_t* ra,
+                                 const uint16_t* rb, float (&acc)[NT][2]) {
+      constexpr bool kSmem = decltype(from_smem)::value;
+      // From a ring slot, both rows are read whole first with the widest shared loads their alignment allows (the
+      // compiler, left to the per-k-step reads, issues one LDS.32 per word); from global memory, word by word.
+      constexpr int KW = DIM * lattice_bits(GRID) / 32;  // words of a code row
+      uint32_t wa[kSmem ? KW : 1], wb[kSmem ? KW : 1];
+      if constexpr (kSmem) {
+        copy_row<KW>(ca, wa);
+        copy_row<KW>(cb, wb);
+        ca = wa, cb = wb;
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
 #pragma unroll
@@ -314,8 +464,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
         for (int kk = 0; kk < KPG; ++kk) {
           const int ks = grp * KPG + kk;
           uint32_t A[4];
-          key_lookup<GRID>(ca, ks, kl, tabb, A[0], A[2]);
-          key_lookup<GRID>(cb, ks, kl, tabb, A[1], A[3]);
+          key_lookup<GRID, kSmem>(ca, ks, kl, tabb, A[0], A[2]);
+          key_lookup<GRID, kSmem>(cb, ks, kl, tabb, A[1], A[3]);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             if constexpr (kBSmem) {
@@ -328,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
           }
         }
         // d = (token a: query t hi, lo; token b: query t hi, lo); the group's norms in fp32
-        const float sa = half_bits_to_float(__ldg(ra + grp)), sb = half_bits_to_float(__ldg(rb + grp));
+        const float sa = half_bits_to_float(ld_ro<kSmem>(ra + grp)), sb = half_bits_to_float(ld_ro<kSmem>(rb + grp));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           acc[nt][0] = fmaf(sa, d[nt][0] + d[nt][1], acc[nt][0]);
@@ -352,35 +502,69 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
         ok[nt] = outq[nt] != nullptr;
         o[nt] = (ok[nt] ? outq[nt] : k.out.base) + na;
       }
-      const int64_t dc = 16 * kWarps * p.c_sn, dr = 16 * kWarps * p.r_sn;
-#pragma unroll 1
-      for (; tile < full_tiles; tile += kWarps) {
-        float acc[NT][2];
-        tile_scores(ca, cb, ra, rb, acc);
+      // tile results at token offset `at` from o[], which then moves on by `step` tokens
+      const auto store = [&](const float (&acc)[NT][2], int at, int step) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           if (ok[nt]) {
-            o[nt][0] = acc[nt][0] * usq[nt];
-            o[nt][8] = acc[nt][1] * usq[nt];
+            o[nt][at] = acc[nt][0] * usq[nt];
+            o[nt][at + 8] = acc[nt][1] * usq[nt];
           }
-          o[nt] += 16 * kWarps;
+          o[nt] += step;
         }
-        ca += dc, cb += dc, ra += dr, rb += dr;
+      };
+      if constexpr (RING) {
+        using Stream = KeyRingStream<GRID, DIM, G>;
+        constexpr int kT = Stream::kTiles;
+        const int mine = full_tiles > warp ? (full_tiles - warp + kWarps - 1) / kWarps : 0;  // this warp's whole tiles
+        const int n = mine / kT;  // items; an odd tile left at head_dim 64 goes to the tiles below
+        Stream st = key_ring_stream<GRID, DIM, G>(ring + warp * Stream::kStages * Stream::kSlot, n,
+                                                  n_begin + 16 * warp, c_bh, r_bh, p, lane);
+        run_ring(st, [&](int, const char* slot) {
+#pragma unroll
+          for (int h = 0; h < kT; ++h) {
+            // 16-byte aligned (slots and tiles are multiples of 16 bytes): rows of 16-byte multiples read as LDS.128
+            const char* tb = static_cast<const char*>(__builtin_assume_aligned(slot + h * Stream::kTileBytes, 16));
+            const uint32_t* rows = reinterpret_cast<const uint32_t*>(tb);
+            const uint16_t* nr = reinterpret_cast<const uint16_t*>(tb + Stream::kNormAt);
+            float acc[NT][2];
+            tile_scores(std::true_type{}, rows + g * (Stream::kStride / 4), rows + (g + 8) * (Stream::kStride / 4),
+                        nr + g * Stream::NG, nr + (g + 8) * Stream::NG, acc);
+            store(acc, 16 * kWarps * h, h == kT - 1 ? 16 * kWarps * kT : 0);
+          }
+        });
+        tile += n * kT * kWarps;
+      } else {
+        const int64_t dc = 16 * kWarps * p.c_sn, dr = 16 * kWarps * p.r_sn;
+#pragma unroll 1
+        for (; tile < full_tiles; tile += kWarps) {
+          float acc[NT][2];
+          tile_scores(std::false_type{}, ca, cb, ra, rb, acc);
+          store(acc, 0, 16 * kWarps);
+          ca += dc, cb += dc, ra += dr, rb += dr;
+        }
       }
     }
-    // The CTA's last, partial tile (one warp): rows past the end read the last token, results not stored.
-    if (tile < ntiles) {
+    // A warp's odd whole tile at head_dim 64 with the ring, and the CTA's last, partial tile: rows past the end read the
+    // last token, results not stored. (Two ifs, not a loop: the SASS model finds the ring's loop as the only one.)
+    const auto general_tile = [&](int tile) {
       const int64_t tb = n_begin + 16 * tile;
       const int64_t na = min(tb + g, n_end - 1), nb = min(tb + g + 8, n_end - 1);
       float acc[NT][2];
-      tile_scores(c_bh + na * p.c_sn, c_bh + nb * p.c_sn, r_bh + na * p.r_sn, r_bh + nb * p.r_sn, acc);
+      tile_scores(std::false_type{}, c_bh + na * p.c_sn, c_bh + nb * p.c_sn, r_bh + na * p.r_sn, r_bh + nb * p.r_sn,
+                  acc);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (outq[nt] == nullptr) continue;
         if (tb + g < n_end) outq[nt][tb + g] = acc[nt][0] * usq[nt];
         if (tb + g + 8 < n_end) outq[nt][tb + g + 8] = acc[nt][1] * usq[nt];
       }
+    };
+    if (RING && key_ring_tiles(DIM) == 2 && tile < full_tiles) {
+      general_tile(tile);
+      tile += kWarps;
     }
+    if (tile < ntiles) general_tile(tile);
   }
 }
 
@@ -478,6 +662,16 @@ __device__ __forceinline__ void value_pair(const uint32_t (&x0)[VSlice<GRID, DW>
       A[mt][2 * P + 1] = scale(prmt(e0[mt], e1[mt], 0x7632u));
     }
   }
+}
+
+// K-steps per iteration of the values' main loop, their code words (4 tokens x kWords per thread and k-step) loaded
+// together before any of their MMAs: one k-step is 256-1024 bytes a warp, and with one in flight per warp the SASS
+// model put these loops latency-bound at 23-65 % of copy bandwidth (4.5-13 KB in flight per SM). Up to 16 registers of
+// words per k-step batch (one-word slices: 4 k-steps; EDEN2-256's two words at 128 channels: 2; EDEN2-64's three: 2,
+// 24 registers beside the accumulators' 32-64, spilling a few outside the loop at 8 query rows).
+template <LatticeGrid GRID, int DW>
+__host__ __device__ constexpr int value_unroll() {
+  return VSlice<GRID, DW>::kWords == 1 ? 4 : 2;
 }
 
 // NB (one group per row, G = D): every m-tile has the row's one norm, so it multiplies p in fp32 before the hi / lo
@@ -581,18 +775,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_v_kernel
       const uint2* frag = xfrag + rlane * 32 + lane;
       const uint2* rn = reinterpret_cast<const uint2*>(rsm + grp * nks * 16 + 16 * rlane) + t;
       const int frag_nt = nks * 32;
-      const auto kstep = [&](bool partial, int rows_left) {
-        uint32_t w[4][SL::kWords];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const bool ok = !partial || 4 * t + j < rows_left;  // tokens past the split's end: zero norm, no load
-#pragma unroll
-          for (int i = 0; i < SL::kWords; ++i) w[j][i] = ok ? __ldg(cr[j] + i) : 0u;
-        }
-        const uint2 r = NB ? make_uint2(0u, 0u) : *rn;  // (norm 4t, 4t + 1), (4t + 2, 4t + 3) as fp16 pairs
+      // the MMAs of one k-step on its code words w, B fragments from f, norms from r
+      const auto mma_step = [&](const uint32_t (&w)[4][SL::kWords], const uint2* f, const uint2* r_at) {
+        const uint2 r = NB ? make_uint2(0u, 0u) : *r_at;  // (norm 4t, 4t + 1), (4t + 2, 4t + 3) as fp16 pairs
         uint2 B[NT];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) B[nt] = frag[nt * frag_nt];
+        for (int nt = 0; nt < NT; ++nt) B[nt] = f[nt * frag_nt];
         uint32_t A[MT][4];
         value_pair<GRID, DW, NB>(w[0], w[1], r.x, 0, vl, tabb, A);  // tokens 4t, 4t + 1
         value_pair<GRID, DW, NB>(w[2], w[3], r.y, 1, vl, tabb, A);  // tokens 4t + 2, 4t + 3
@@ -604,16 +792,53 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_v_kernel
             mma_m16n8k16(d[mt][nt], A[mt], Bn, d[mt][nt]);
           }
       };
+      const auto advance = [&](int steps) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cr[j] += steps * c_step;
+        frag += steps * rw * 32;
+        if (!NB) rn += steps * 4 * rw;
+      };
       int ks = rlane;
+      // U whole k-steps per iteration, all their code words loaded before the first MMA (value_unroll)
+      constexpr int U = value_unroll<GRID, DW>();
+      if constexpr (U > 1) {
+        int64_t uoff[U];  // k-step u's rows from cr[]
+#pragma unroll
+        for (int u = 0; u < U; ++u) uoff[u] = u * c_step;
+#pragma unroll 1
+        for (; ks + (U - 1) * rw < nfull; ks += U * rw) {
+          uint32_t w[U][4][SL::kWords];
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int i = 0; i < SL::kWords; ++i) w[u][j][i] = __ldg(cr[j] + uoff[u] + i);
+#pragma unroll
+          for (int u = 0; u < U; ++u) mma_step(w[u], frag + u * rw * 32, rn + (NB ? 0 : u * 4 * rw));
+          advance(U);
+        }
+      }
+      // the rest one k-step at a time, then the split's last, partial k-step (tokens past its end: zero norm, no load)
+      const auto load_step = [&](uint32_t (&w)[4][SL::kWords], int rows_left) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int i = 0; i < SL::kWords; ++i) w[j][i] = 4 * t + j < rows_left ? __ldg(cr[j] + i) : 0u;
+        }
+      };
 #pragma unroll 1
       for (; ks < nfull; ks += rw) {
-        kstep(false, 16);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) cr[j] += c_step;
-        frag += rw * 32;
-        if (!NB) rn += 4 * rw;
+        uint32_t w[4][SL::kWords];
+        load_step(w, 16);
+        mma_step(w, frag, rn);
+        advance(1);
       }
-      if (ks < nks) kstep(true, rlen - 16 * ks);  // the split's last, partial k-step
+      if (ks < nks) {
+        uint32_t w[4][SL::kWords];
+        load_step(w, rlen - 16 * ks);
+        mma_step(w, frag, rn);
+      }
     }
 
     // ---- combine hi + lo, sum the row lanes in a fixed order --------------------------------------------------------
@@ -696,26 +921,34 @@ int log2i(int v) {
 
 float fwht_scale(int G) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(G))); }
 
-template <LatticeGrid GRID, int DIM, int NT>
+template <LatticeGrid GRID, int DIM, int NT, bool RING>
 LatticeKernel key_kernel(int G) {
   switch (G) {
-    case 32: return gemv_lattice_k_kernel<GRID, DIM, 32, NT>;
-    case 64: return gemv_lattice_k_kernel<GRID, DIM, 64, NT>;
+    case 32: return gemv_lattice_k_kernel<GRID, DIM, 32, NT, RING>;
+    case 64: return gemv_lattice_k_kernel<GRID, DIM, 64, NT, RING>;
     case 128:
-      if constexpr (DIM >= 128) return gemv_lattice_k_kernel<GRID, DIM, 128, NT>;
+      if constexpr (DIM >= 128) return gemv_lattice_k_kernel<GRID, DIM, 128, NT, RING>;
       break;
     case 256:
-      if constexpr (DIM >= 256) return gemv_lattice_k_kernel<GRID, DIM, 256, NT>;
+      if constexpr (DIM >= 256) return gemv_lattice_k_kernel<GRID, DIM, 256, NT, RING>;
       break;
     default: break;
   }
   return nullptr;
 }
 
-cudaError_t select_key_kernel(LatticeGrid grid, int D, int G, int nt, LatticeKernel* fn) {
+template <LatticeGrid GRID, int DIM, int NT>
+LatticeKernel key_kernel(int G, bool ring) {
+  if constexpr (key_ring_dim(DIM)) {
+    if (ring) return key_kernel<GRID, DIM, NT, true>(G);
+  }
+  return key_kernel<GRID, DIM, NT, false>(G);
+}
+
+cudaError_t select_key_kernel(LatticeGrid grid, int D, int G, int nt, bool ring, LatticeKernel* fn) {
   *fn = nullptr;
   KVK_DISPATCH_LATTICE_GRID(grid, GRID, {
-    KVK_DISPATCH_HEAD_DIM(D, DIM, { KVK_DISPATCH_NTILES(nt, NT, { *fn = key_kernel<GRID, DIM, NT>(G); }) })
+    KVK_DISPATCH_HEAD_DIM(D, DIM, { KVK_DISPATCH_NTILES(nt, NT, { *fn = key_kernel<GRID, DIM, NT>(G, ring); }) })
   })
   if (*fn == nullptr) {
     set_launch_error("unsupported group_size %d for head_dim %d (a power of two in [32, head_dim])", G, D);
@@ -762,8 +995,22 @@ const char* check_sizes(const GemvLatticeParams& p) {
   return nullptr;
 }
 
+// The keys' ring (key_ring_stream) copies 16- or 8-byte code pieces (key_ring_piece) at row starts and 4-byte norm
+// pieces: two norms of a token (D / G >= 2), or of two consecutive tokens (D / G = 1, norms one per token, dense).
+bool key_ring_ok(const GemvLatticeParams& p) {
+  if (!key_ring_dim(p.D) || gemv_ring_disabled()) return false;
+  const int64_t ng = p.D / p.group_size;
+  const bool codes = rows_aligned(p.codes, key_ring_piece(lattice_bits(p.grid_kind), p.D), sizeof(uint32_t), p.B,
+                                  p.c_sb, p.H_kv, p.c_sh, p.N, p.c_sn);
+  const bool norms = ng >= 2 ? rows_aligned(p.norms, 4, sizeof(uint16_t), p.B, p.r_sb, p.H_kv, p.r_sh, p.N, p.r_sn)
+                             : (p.N <= 1 || p.r_sn == 1) &&
+                                   rows_aligned(p.norms, 4, sizeof(uint16_t), p.B, p.r_sb, p.H_kv, p.r_sh, 1, 0);
+  return codes && norms;
+}
+
 struct KeyPlan {
   int nt;
+  bool ring;
   int64_t t_chunk, tokens_per_cta, blocks;
   size_t smem_bytes;
   int ctas_per_sm;
@@ -776,22 +1023,31 @@ KeyPlan plan_keys(const GemvLatticeParams& p) {
   const int64_t gq = p.H_q / p.H_kv;
   pl.t_chunk = std::min<int64_t>(p.T, kMaxTPerLaunch);
   pl.nt = gq * pl.t_chunk <= 4 ? 1 : 2;
-  if (select_key_kernel(p.grid_kind, p.D, p.group_size, pl.nt, &pl.fn) != cudaSuccess) {
+  pl.ring = key_ring_ok(p);
+  if (select_key_kernel(p.grid_kind, p.D, p.group_size, pl.nt, pl.ring, &pl.fn) != cudaSuccess) {
     pl.error = "unsupported grid / head_dim / group_size";
     return pl;
   }
-  pl.smem_bytes = table_bytes(p.grid_kind) + static_cast<size_t>(4 * pl.nt) * (p.D + 1) * sizeof(float) +
-                  (key_b_in_smem(p.D, pl.nt) ? static_cast<size_t>(p.D / 16) * pl.nt * 32 * 8 : 0);
+  const int64_t table = static_cast<int64_t>(table_bytes(p.grid_kind)), ng = p.D / p.group_size;
+  const int bits = lattice_bits(p.grid_kind);
+  pl.smem_bytes = static_cast<size_t>(
+      key_fixed_bytes(table, p.D, pl.nt) +
+      (pl.ring ? kWarps * key_ring_stages(bits, p.D, static_cast<int>(ng), table) *
+                     key_ring_slot(bits, p.D, static_cast<int>(ng))
+               : 0));
   pl.ctas_per_sm = occupancy(reinterpret_cast<const void*>(pl.fn), pl.smem_bytes);
   const int64_t wave = static_cast<int64_t>(pl.ctas_per_sm) * std::max(p.num_sms, 1);
   const int64_t bh = p.B * p.H_kv, tiles = ceil_div(p.N, 16);
   // tiles per warp: doubled while the grid still spans two waves (fewer CTAs build the table and rotate the query)
-  // and a CTA does not yet cover every token (beyond that, doubling changes nothing and would run to overflow)
+  // and a CTA does not yet cover every token (beyond that, doubling changes nothing and would run to overflow). With
+  // the ring, one wave: its items stream only while a warp has more tiles than stages (32k tokens, 8 KV heads, 132
+  // SMs: 4 tiles a warp instead of 2).
+  const int64_t waves = pl.ring ? 1 : 2;
   int64_t tpw = 1;
-  while (kWarps * tpw < tiles && bh * ceil_div(tiles, kWarps * tpw * 2) >= 2 * wave) tpw *= 2;
+  while (kWarps * tpw < tiles && bh * ceil_div(tiles, kWarps * tpw * 2) >= waves * wave) tpw *= 2;
   pl.tokens_per_cta = 16 * kWarps * tpw;
   pl.blocks = ceil_div(p.N, pl.tokens_per_cta);
-  if (pl.smem_bytes > kSmemBudget) pl.error = "shared memory";
+  if (pl.smem_bytes > static_cast<size_t>(pl.ring ? kCtaSmem : kSmemBudget)) pl.error = "shared memory";
   if (pl.blocks > 0x7fffffff || bh > 65535) pl.error = "grid too large";
   return pl;
 }
@@ -851,6 +1107,8 @@ ValuePlan plan_values(const GemvLatticeParams& p) {
 }  // namespace
 
 int64_t gemv_lattice_k_workspace_floats(const GemvLatticeParams&) { return 0; }
+
+bool gemv_lattice_k_ring(const GemvLatticeParams& p) { return check_sizes(p) == nullptr && key_ring_ok(p); }
 
 cudaError_t launch_gemv_lattice_k(const GemvLatticeParams& p, cudaStream_t stream) {
   clear_launch_error();

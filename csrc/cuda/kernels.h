@@ -40,9 +40,9 @@ inline bool env_equals(const char* name, const char* value) {
 // split-K summation order.
 inline bool gemv_planner_v1() { return env_equals("KVKERNELS_GEMV_PLANNER", "v1"); }
 
-// KVKERNELS_GEMV_RING=0: gemv_inner_q and gemv_kivi read codes into registers one step at a time (wide loads where
-// aligned), as before their cp.async rings, so a benchmark can time the rings against them on one machine. Same
-// results.
+// KVKERNELS_GEMV_RING=0: gemv_inner_q, gemv_kivi and gemv_lattice_k read codes into registers one step at a time
+// (wide loads where aligned), as before their cp.async rings, so a benchmark can time the rings against them on one
+// machine. Same results.
 inline bool gemv_ring_disabled() { return env_equals("KVKERNELS_GEMV_RING", "0"); }
 
 // KVKERNELS_GEMV_RING64=0: gemv_inner_q's keys at head_dim 64 (L = 64) take one-tile ring items, as before the
@@ -157,6 +157,9 @@ struct GemvLatticeParams {
 };
 
 int64_t gemv_lattice_k_workspace_floats(const GemvLatticeParams& p);  // always 0 (no split-K for keys)
+// Whether launch_gemv_lattice_k reads whole tiles through its cp.async ring (head_dim <= 128; code rows aligned to the
+// ring's 16- or 8-byte pieces, norm rows to 4 bytes, dense norms at one group per row; KVKERNELS_GEMV_RING not 0).
+bool gemv_lattice_k_ring(const GemvLatticeParams& p);
 cudaError_t launch_gemv_lattice_k(const GemvLatticeParams& p, cudaStream_t stream);
 int64_t gemv_lattice_v_workspace_floats(const GemvLatticeParams& p);
 cudaError_t launch_gemv_lattice_v(const GemvLatticeParams& p, cudaStream_t stream);

@@ -33,6 +33,39 @@ __host__ __device__ constexpr int ring_warp_bytes(int bits, bool zeros) {
   return ring_stages(bits) * ring_slot_bytes(bits, zeros);
 }
 
+// A lane's share of copying one ring item, the `issue` half of run_ring's Stream contract: up to CODES code pieces of
+// PIECE bytes and METAS metadata pieces (scales, zeros, norms) of META bytes, at slot offsets o / om, from sources c / m
+// that move on by dc / dm[k] bytes per item; `has` / `hasm` say which of them this lane copies. ring and n: the warp's
+// slots and its item count. A stream (gemv_inner_q's RingStream, gemv_lattice's KeyRingStream) derives from it and adds
+// kStages / kSlot and the item's layout.
+template <int CODES, int PIECE, int METAS, int META>
+struct RingCopies {
+  const char* c[CODES];
+  const char* m[METAS];
+  int64_t dc, dm[METAS];
+  int o[CODES], om[METAS];
+  bool has[CODES], hasm[METAS];
+  char* ring;
+  int n;
+
+  // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
+  __device__ __forceinline__ void issue(int i, char* slot) {
+    if (i < n) {
+#pragma unroll
+      for (int k = 0; k < CODES; ++k) {
+        if (has[k]) cp_async<PIECE>(smem_addr(slot + o[k]), c[k]);
+        c[k] += dc;
+      }
+#pragma unroll
+      for (int k = 0; k < METAS; ++k) {
+        if (hasm[k]) cp_async<META>(smem_addr(slot + om[k]), m[k]);
+        m[k] += dm[k];
+      }
+    }
+    cp_async_commit();
+  }
+};
+
 // Runs a warp's stream of st.n items: consume(i, slot) for each, with Stream::kStages - 1 items in flight.
 // st.issue(i, slot) copies item i (if it exists) into `slot` and commits a group (empty past the end), so the wait
 // counts are the same in every iteration. Item i lives in slot i % kStages; the loop rotates two slot pointers instead

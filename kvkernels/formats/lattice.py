@@ -209,6 +209,9 @@ class LatticeFormat(Format):
         "lattice4": LatticeConfig(bits=4),
         "lattice2_d4": LatticeConfig(bits=2, dim=4),
     }
+    # `python -m kvkernels bench` times both GEMVs (kvkernels.bench._lattice_parts: they take grids and norms, not
+    # the scales / zeros of Format.gemv)
+    bench_presets = ("lattice2", "lattice3", "lattice4", "lattice2_d4")
 
     def gemv(self, fn, x, codes, scales, zeros, bits, group_size, mode, x_scale=None):
         raise NotImplementedError(

@@ -270,14 +270,20 @@ static void fwht_double(double* y, int G) {
 // = s * H_n (sum_n p_n r16 grid[c]). Random codes (every index is valid), norms, grid, signs, strided views.
 // The contract (csrc/cuda/gemv_lattice.cu): the grid in fp16 (2^-11), values' r16 * grid rounded to fp16 once more;
 // checked at 2^-10 (keys) / 2^-9 (values) of the magnitude sum, plus 2^-20 of sum |x| (values' subnormal products).
+// coff < 0: a cache's layout (rows at a capacity of N rounded up to 64, buffers 16-byte aligned): with code rows of a
+// multiple of 16 bytes (8 for EDEN2-64's 24-byte rows at D = 64) and rpad even (0 at G = D), the keys' cp.async ring; expect_ring: 1 must, 0 must not, -1 either.
 void lattice_case(bool values, int64_t B, int64_t H_q, int64_t H_kv, int64_t T, bool has_t, int64_t N, int D, int G,
-                  LatticeGrid gk, XDtype dt, bool with_signs, int cpad, int coff, int rpad, int num_sms) {
+                  LatticeGrid gk, XDtype dt, bool with_signs, int cpad, int coff, int rpad, int num_sms,
+                  int expect_ring = -1) {
   const int bits = lattice_bits(gk), d = lattice_d(gk), n = lattice_n(gk);
   const int64_t W = D * bits / 32, NG = D / G, L = values ? N : D;
-  const int64_t c_sn = W + cpad, c_sh = N * c_sn + 3, c_sb = H_kv * c_sh;
+  const bool cache = coff < 0;
+  const int64_t cap = cache ? (N + 63) / 64 * 64 : N;
+  if (cache) coff = 0;
+  const int64_t c_sn = W + cpad, c_sh = cap * c_sn + (cache ? 0 : 3), c_sb = H_kv * c_sh;
   Buf<uint32_t> codes(B * c_sb + coff + 1);
   for (size_t i = 0; i < codes.n; ++i) codes.p[i] = static_cast<uint32_t>(rng());
-  const int64_t r_sn = NG + rpad, r_sh = N * r_sn + 1, r_sb = H_kv * r_sh;
+  const int64_t r_sn = NG + rpad, r_sh = cap * r_sn + (cache ? 0 : 1), r_sb = H_kv * r_sh;
   Buf<uint16_t> nr(B * r_sb + 2);
   for (size_t i = 0; i < nr.n; ++i) nr.p[i] = rng() % 13 == 0 ? 0 : hbits(std::fabs(frand()) * 2.f);
   Buf<float> grid(n * d);
@@ -293,7 +299,7 @@ void lattice_case(bool values, int64_t B, int64_t H_q, int64_t H_kv, int64_t T, 
   for (size_t i = 0; i < y.n; ++i) y.p[i] = NAN;
 
   GemvLatticeParams p{};
-  p.x = xbuf_v.data(); p.codes = codes.p + coff; p.norms = nr.p + 1; p.grid = grid.p;
+  p.x = xbuf_v.data(); p.codes = codes.p + coff; p.norms = nr.p + (cache ? 0 : 1); p.grid = grid.p;
   p.signs = with_signs ? signs.p : nullptr; p.y = y.p;
   p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.N = N; p.D = D; p.group_size = G; p.grid_kind = gk;
   p.x_dtype = dt; p.num_sms = num_sms;
@@ -301,6 +307,11 @@ void lattice_case(bool values, int64_t B, int64_t H_q, int64_t H_kv, int64_t T, 
   p.c_sb = c_sb; p.c_sh = c_sh; p.c_sn = c_sn;
   p.r_sb = r_sb; p.r_sh = r_sh; p.r_sn = r_sn;
   p.y_sb = H_q * T * Y; p.y_sh = T * Y; p.y_st = has_t ? Y : 0;
+  const bool ring = !values && gemv_lattice_k_ring(p);
+  if (expect_ring >= 0 && ring != (expect_ring != 0)) {
+    printf("lattice_k: cp.async ring %d, expected %d\n", (int)ring, expect_ring);
+    res.fails++;
+  }
   int64_t wsf = values ? gemv_lattice_v_workspace_floats(p) : gemv_lattice_k_workspace_floats(p);
   std::unique_ptr<Buf<float>> ws;
   if (wsf > 0) { ws = std::make_unique<Buf<float>>(wsf); p.workspace = ws->p; p.workspace_floats = wsf; }
@@ -360,9 +371,9 @@ void lattice_case(bool values, int64_t B, int64_t H_q, int64_t H_kv, int64_t T, 
     }
   }
   if (bad) res.fails++;
-  printf("lattice_%s B%ld Hq%ld Hkv%ld T%ld%s N%ld D%d G%d grid(%d,%d) dt%d signs%d cpad%d coff%d rpad%d sms%d ws%ld : %s (bad %ld)\n",
-         values ? "v" : "k", B, H_q, H_kv, T, has_t ? "" : "(3d)", N, D, G, d, n, (int)dt, (int)with_signs, cpad, coff,
-         rpad, num_sms, wsf, bad ? "FAIL" : "ok", bad);
+  printf("lattice_%s B%ld Hq%ld Hkv%ld T%ld%s N%ld D%d G%d grid(%d,%d) dt%d signs%d cpad%d coff%d rpad%d sms%d ws%ld%s : %s (bad %ld)\n",
+         values ? "v" : "k", B, H_q, H_kv, T, has_t ? "" : "(3d)", N, D, G, d, n, (int)dt, (int)with_signs, cpad,
+         cache ? -1 : coff, rpad, num_sms, wsf, ring ? " ring" : "", bad ? "FAIL" : "ok", bad);
 }
 
 // ---- aqua_reconstruct ----------------------------------------------------------------------------------------------
@@ -1175,6 +1186,29 @@ int main(int argc, char** argv) {
     // T > 16: launcher T chunks (20 = 16 + 4 rows per head); GQA 1
     lattice_case(false, 1, 2, 2, 20, true, 33, 128, 32, LG::kE2_256, XDtype::kF32, true, 0, 0, 0, 8);
     lattice_case(true, 1, 2, 2, 20, true, 33, 128, 128, LG::kE2_16, XDtype::kF32, false, 0, 0, 0, 8);
+    // keys through the cp.async ring (a cache's layout): every grid at head_dim 64 and 128, G = D (one norm per token,
+    // two tokens per 4-byte piece) and G < D, 4 and 8 query rows, a partial last tile; on 1 SM the warps stream up to 8
+    // tiles each, wrapping rings of 3-6 stages. Padded rows (cpad, rpad) stay on the ring; the register loads take a
+    // misaligned view, head_dim 256, and KVKERNELS_GEMV_RING=0.
+    for (int gk = 0; gk < 4; ++gk) {
+      const int cp = (LG)gk == LG::kE2_64 ? 2 : 4;
+      lattice_case(false, 1, 4, 1, 1, false, 4100, 64, 64, (LG)gk, XDtype::kF16, gk % 2, 0, -1, 0, 1, 1);
+      lattice_case(false, 2, 8, 2, 1, false, 2077, 64, 32, (LG)gk, XDtype::kBF16, true, cp, -1, 2, 1, 1);
+      lattice_case(false, 1, 8, 2, 1, false, 4100, 128, 128, (LG)gk, XDtype::kF32, gk % 2 == 0, 0, -1, 0, 1, 1);
+      lattice_case(false, 1, 16, 2, 2, true, 1500, 128, 32, (LG)gk, XDtype::kF16, true, 4, -1, 2, 1, 1);
+    }
+    lattice_case(false, 1, 4, 1, 1, false, 300, 64, 64, LG::kE2_16, XDtype::kF16, true, 1, -1, 0, 1, 0);   // 4-byte rows
+    lattice_case(false, 1, 4, 1, 1, false, 300, 128, 128, LG::kE2_16, XDtype::kF16, true, 0, -1, 1, 1, 0);  // r_sn 2
+    lattice_case(false, 1, 4, 1, 1, false, 300, 256, 64, LG::kE2_16, XDtype::kF16, true, 0, -1, 0, 1, 0);   // D 256
+    // values: value_unroll's batches of 2 or 4 k-steps per warp, the whole k-steps left one at a time, a partial one
+    // (1623 tokens = 12 full batches of 4 x 8 row lanes + 5 k-steps + 7 tokens), 64 and 128 channels per warp
+    for (int gk = 0; gk < 4; ++gk) {
+      lattice_case(true, 1, 4, 1, 1, false, 1623, 64, 32, (LG)gk, XDtype::kF16, gk % 2, 0, -1, 0, 1);
+      lattice_case(true, 1, 8, 1, 1, false, 1623, 128, 128, (LG)gk, XDtype::kBF16, true, 0, 0, 0, 1);
+    }
+    setenv("KVKERNELS_GEMV_RING", "0", 1);
+    lattice_case(false, 1, 4, 1, 1, false, 300, 128, 64, LG::kE2_64, XDtype::kF16, true, 0, -1, 0, 1, 0);
+    unsetenv("KVKERNELS_GEMV_RING");
   }
   if (which == "aqua" || which == "all") {
     using LG = LatticeGrid;
