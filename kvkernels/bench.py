@@ -57,7 +57,6 @@ import torch
 import kvkernels
 from kvkernels import _backends, formats
 from kvkernels import reference as ref
-from kvkernels.formats import lattice_grids
 
 CPU_WARNING = "CPU numbers are not GPU numbers"
 SCHEMA = "kvkernels-bench/1"
@@ -213,12 +212,21 @@ def build_parts(
             Part("output", {"p": p, "V": V}, output, None, _nbytes(p, V) + out_output * 2),
         ]
 
-    if method.format == "lattice":
-        return _lattice_parts(method, impl, q, p, (B, Hkv), N, D, out_scores, out_output, device)
+    fmt = formats.get_format(method.format)
+    if method.kind == "fused":  # a format whose GEMVs take their own arguments builds its operands (Format.bench_gemvs)
+        own = fmt.bench_gemvs(
+            formats.PRESETS[method.preset], lambda op: _sibling_impl(impl, op), q, p, (B, Hkv), N, D, device
+        )
+        if own is not None:
+            return [
+                Part(name, inputs, call, ref_call, _nbytes(*inputs.values()) + n_out * 4)
+                for name, n_out, (inputs, call, ref_call) in zip(
+                    ("scores", "output"), (out_scores, out_output), own, strict=True
+                )
+            ]
 
     # the format's layouts: "rows" stores a tensor [N, D] grouped along D, "cols" stores it transposed [D, N]
     # grouped along N (kvkernels.formats.base.QuantStore); scores reduce over D, the output over N
-    fmt = formats.get_format(method.format)
     gemv_ref = getattr(ref, fmt.gemv_op)
     parts = [
         ("scores", "q", q, fmt.key_layout, method.k_bits, method.k_mode, out_scores),
@@ -251,40 +259,12 @@ def build_parts(
 
 
 def _sibling_impl(impl, op: str):
-    """The same backend's implementation of another op (the lattice values' gemv_lattice_v beside the keys' op that
-    resolve_impl found): torch.ops.kvkernels.<op>, or the function of that name in impl's module (Triton, reference)."""
+    """The backend of impl (the method's op, as resolve_impl found it) for another op: torch.ops.kvkernels.<op>, or
+    the function of that name in impl's module (Triton, reference). The lattice values' gemv_lattice_v beside the
+    keys' gemv_lattice_k."""
     if isinstance(impl, torch._ops.OpOverload):
         return getattr(torch.ops.kvkernels, op).default
     return getattr(sys.modules[impl.__module__], op)
-
-
-def _lattice_parts(method: Method, impl, q, p, lead, N: int, D: int, out_scores: int, out_output: int, device):
-    """The lattice format's two GEMVs: keys through gemv_lattice_k (q against the codes, rotated once per query row),
-    values through gemv_lattice_v (p, one inverse transform per output row), on one store layout (codes
-    [B, H_kv, N, D * bits / 32], fp16 norms [B, H_kv, N, D / G]) with the preset's grid and group size."""
-    c = formats.PRESETS[method.preset]
-    grid = lattice_grids.grid(c.dim, c.grid_points, device=device)
-    signs = c.signs(device)
-    G = c.group_size
-    impl_v = _sibling_impl(impl, "gemv_lattice_v")
-    out = []
-    for name, xn, x, fn, ref_fn, n_out in (
-        ("scores", "q", q, impl, ref.gemv_lattice_k, out_scores),
-        ("output", "p", p, impl_v, ref.gemv_lattice_v, out_output),
-    ):
-        codes = _rand_codes((*lead, N, D * c.bits // 32), device)  # every bit pattern is a valid index
-        norms = (torch.rand(*lead, N, D // G, device=device) + 0.5).half()
-
-        def call(a, f=fn, xn=xn):
-            return f(a[xn], a["codes"], a["norms"], grid, G, signs)
-
-        def ref_call(a, f=ref_fn, xn=xn):
-            return f(a[xn], a["codes"], a["norms"], grid, G, signs)
-
-        out.append(
-            Part(name, {xn: x, "codes": codes, "norms": norms}, call, ref_call, _nbytes(x, codes, norms) + n_out * 4)
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -679,6 +679,13 @@ class Format:
             getattr(ops, self.gemv_op), x, codes, scales, zeros, store.bits, store.group_size, store.mode, x_scale
         )
 
+    def bench_gemvs(self, config, resolve, q, p, lead, n: int, d: int, device):
+        """The two GEMVs `python -m kvkernels bench` times, for a format whose GEMVs do not take `gemv`'s (codes,
+        scales, zeros) arguments: [(inputs, call, reference call)] for the scores (q [B, H_q, d] against n keys) and
+        the output (p [B, H_q, n] over n values), operands on `lead` = (B, H_kv). resolve(op) is the timed backend's
+        implementation of a kvkernels op. None (the default): the bench builds the store layouts itself."""
+        return None
+
     def speculative_decode(self, config) -> bool:
         """Whether generation should feed this config's caches [token, speculative next token] each step (the
         two-row loop of kvkernels.speculative; SpeCache). Default: no."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from .. import reference as ref
 from ..attention import _grouped_matmul
 from .base import _BLOCK, EffectiveBits, Format, QuantizedLayerCache, QuantStore, SameForBothTensors, check_window
 from .lattice_grids import grid as published_grid
@@ -209,8 +210,7 @@ class LatticeFormat(Format):
         "lattice4": LatticeConfig(bits=4),
         "lattice2_d4": LatticeConfig(bits=2, dim=4),
     }
-    # `python -m kvkernels bench` times both GEMVs (kvkernels.bench._lattice_parts: they take grids and norms, not
-    # the scales / zeros of Format.gemv)
+    # `python -m kvkernels bench` times both GEMVs (bench_gemvs: they take grids and norms, not Format.gemv's arguments)
     bench_presets = ("lattice2", "lattice3", "lattice4", "lattice2_d4")
 
     def gemv(self, fn, x, codes, scales, zeros, bits, group_size, mode, x_scale=None):
@@ -218,6 +218,33 @@ class LatticeFormat(Format):
             "the lattice format has two GEMVs (gemv_lattice_k for keys, gemv_lattice_v for values) with their own "
             "arguments; LatticeLayerCache's quantized_key_scores / quantized_value_output call them"
         )
+
+    def bench_gemvs(self, config, resolve, q, p, lead, n, d, device):
+        """Keys through gemv_lattice_k (q rotated once per query row), values through gemv_lattice_v (one inverse
+        transform per output row), each on its own store layout: random codes [*lead, n, d * bits / 32] (every bit
+        pattern is a valid index), fp16 norms in [0.5, 1.5) per group, the config's grid and signs."""
+        grid = published_grid(config.dim, config.grid_points, device=device)
+        signs, G = config.signs(device), config.group_size
+        out = []
+        for xn, x, op in (("q", q, "gemv_lattice_k"), ("p", p, "gemv_lattice_v")):
+            inputs = {
+                xn: x,
+                "codes": torch.randint(
+                    -(2**31), 2**31, (*lead, n, d * config.bits // 32), dtype=torch.int32, device=device
+                ),
+                "norms": (torch.rand(*lead, n, d // G, device=device) + 0.5).half(),
+            }
+
+            fn, ref_fn = resolve(op), getattr(ref, op)
+
+            def call(a, f=fn, xn=xn):
+                return f(a[xn], a["codes"], a["norms"], grid, G, signs)
+
+            def ref_call(a, f=ref_fn, xn=xn):
+                return f(a[xn], a["codes"], a["norms"], grid, G, signs)
+
+            out.append((inputs, call, ref_call))
+        return out
 
     def check_head_dim(self, config, head_dim: int) -> None:
         if config.cross_head:  # G spans heads; the cache checks H_kv * head_dim % G once it knows H_kv
