@@ -30,7 +30,7 @@ def main() -> None:
         if impl is None:
             print(f"{name}: skipped ({why})")
             continue
-        for part in bench.build_parts(m, impl, bench.SHAPES["llama-3.1-8b"], a.batch, a.seqlen, dev):
+        for part in bench.build_parts(m, "cuda", bench.SHAPES["llama-3.1-8b"], a.batch, a.seqlen, dev):
             for _ in range(a.calls):
                 part.fn(part.inputs)
             torch.cuda.synchronize()

@@ -39,7 +39,7 @@ def test_gemv(benchmark, method, backend, batch, seqlen, part):
         pytest.skip(reason)
     if backend == "reference" and HAS_CUDA and batch * seqlen > B.REFERENCE_MAX_TOKENS_GPU:
         pytest.skip(f"reference on GPU limited to batch*seqlen <= {B.REFERENCE_MAX_TOKENS_GPU}")
-    (p,) = [x for x in B.build_parts(m, impl, SHAPE, batch, seqlen, device) if x.name == part]
+    (p,) = [x for x in B.build_parts(m, backend, SHAPE, batch, seqlen, device) if x.name == part]
     if p.ref_fn is not None:  # never time a wrong kernel
         assert B._rel_err(p.fn(p.inputs), p.ref_fn(p.inputs)) < B.ERR_TOL
     if HAS_CUDA:

@@ -183,12 +183,12 @@ class Part:
 
 
 def build_parts(
-    method: Method, impl, shape: ModelShape, batch: int, seqlen: int, device, asym_frac: float = 0.01
+    method: Method, backend: str, shape: ModelShape, batch: int, seqlen: int, device, asym_frac: float = 0.01
 ) -> list[Part]:
     """Inputs and callables for the scores and output GEMVs of one (method, backend, batch, seqlen) case.
 
-    impl is the op callable of the chosen backend (ignored for fp16). Output shapes: scores [B, H_q, N],
-    output [B, H_q, D]; kernels return fp32, the fp16 baseline fp16.
+    The method's ops run on backend (resolve_op; ValueError if one cannot run there). Output shapes: scores
+    [B, H_q, N], output [B, H_q, D]; kernels return fp32, the fp16 baseline fp16.
     """
     B, Hq, Hkv, D, N = batch, shape.h_q, shape.h_kv, shape.d, seqlen
     g = Hq // Hkv
@@ -213,9 +213,10 @@ def build_parts(
         ]
 
     fmt = formats.get_format(method.format)
+    impl = _resolved(method.op, backend, device)
     if method.kind == "fused":  # a format whose GEMVs take their own arguments builds its operands (Format.bench_gemvs)
         own = fmt.bench_gemvs(
-            formats.PRESETS[method.preset], lambda op: _sibling_impl(impl, op), q, p, (B, Hkv), N, D, device
+            formats.PRESETS[method.preset], lambda op: _resolved(op, backend, device), q, p, (B, Hkv), N, D, device
         )
         if own is not None:
             return [
@@ -258,15 +259,6 @@ def build_parts(
     return out
 
 
-def _sibling_impl(impl, op: str):
-    """The backend of impl (the method's op, as resolve_impl found it) for another op: torch.ops.kvkernels.<op>, or
-    the function of that name in impl's module (Triton, reference). The lattice values' gemv_lattice_v beside the
-    keys' gemv_lattice_k."""
-    if isinstance(impl, torch._ops.OpOverload):
-        return getattr(torch.ops.kvkernels, op).default
-    return getattr(sys.modules[impl.__module__], op)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Backend resolution
 
@@ -275,7 +267,11 @@ def resolve_impl(method: Method, backend: str, device: torch.device):
     """(callable, None) if method can run on backend here, else (None, reason)."""
     if method.op is None:
         return (None, None) if backend == "torch" else (None, "fp16 runs on backend 'torch' only")
-    op = method.op
+    return resolve_op(method.op, backend, device)
+
+
+def resolve_op(op: str, backend: str, device: torch.device):
+    """(callable, None) if the op torch.ops.kvkernels.<op> can run on backend here, else (None, reason)."""
     status = kvkernels.backends()
     if backend == "cuda":
         if device.type != "cuda":
@@ -309,6 +305,13 @@ def resolve_impl(method: Method, backend: str, device: torch.device):
             return None, f"cpp: {status['cpp']}"
         return getattr(torch.ops.kvkernels, op).default, None
     return None, f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})"
+
+
+def _resolved(op: str, backend: str, device: torch.device):
+    fn, why = resolve_op(op, backend, device)
+    if fn is None:
+        raise ValueError(f"{op} cannot run on backend {backend!r}: {why}")
+    return fn
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -523,14 +526,14 @@ def plan(cfg: Config) -> tuple[list[tuple], list[dict]]:
     for name in cfg.methods:
         m = METHODS[name]
         for be in ("torch",) if m.op is None else cfg.backends:
-            impl, reason = resolve_impl(m, be, cfg.device)
+            _, reason = resolve_impl(m, be, cfg.device)
             if reason:
                 skipped.append({"method": name, "backend": be, "reason": reason})
                 continue
             backend_rank.setdefault(be, len(backend_rank))
-            runnable.append((m, be, impl))
-    cases = [(m, be, impl, b, n) for (m, be, impl) in runnable for b in cfg.batches for n in cfg.seqlens]
-    cases.sort(key=lambda c: (max(backend_rank[c[1]], 1) - 1, c[3], c[4], list(METHODS).index(c[0].name)))
+            runnable.append((m, be))
+    cases = [(m, be, b, n) for (m, be) in runnable for b in cfg.batches for n in cfg.seqlens]
+    cases.sort(key=lambda c: (max(backend_rank[c[1]], 1) - 1, c[2], c[3], list(METHODS).index(c[0].name)))
     return cases, skipped
 
 
@@ -541,9 +544,9 @@ def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((out - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def run_case(cfg: Config, m: Method, be: str, impl, batch: int, seqlen: int, check: bool) -> dict:
+def run_case(cfg: Config, m: Method, be: str, batch: int, seqlen: int, check: bool) -> dict:
     dev = cfg.device
-    parts = build_parts(m, impl, cfg.shape, batch, seqlen, dev, cfg.asym_frac)
+    parts = build_parts(m, be, cfg.shape, batch, seqlen, dev, cfg.asym_frac)
     rec = {"method": m.name, "backend": be, "batch": batch, "seqlen": seqlen, "k_bits": m.k_bits, "v_bits": m.v_bits}
     l2 = _l2_bytes(dev)  # 0 on CPU: no rotation
     for part in parts:
@@ -583,7 +586,7 @@ def run_sweep(cfg: Config, log=print) -> dict:
     bar = tqdm(
         cases, desc="kvkernels bench", unit="case", disable=None if cfg.progress else True, file=sys.stderr
     )  # None: only on a terminal
-    for m, be, impl, b, n in bar:
+    for m, be, b, n in bar:
         bar.set_postfix_str(f"{m.name}[{be}] B={b} N={n}", refresh=False)
         base = {"method": m.name, "backend": be, "batch": b, "seqlen": n}
         if cfg.budget_s is not None and time.perf_counter() - t_start > cfg.budget_s:
@@ -596,7 +599,7 @@ def run_sweep(cfg: Config, log=print) -> dict:
             continue
         key = (m.name, be, b)
         try:
-            rec = run_case(cfg, m, be, impl, b, n, check=cfg.check and key not in checked)
+            rec = run_case(cfg, m, be, b, n, check=cfg.check and key not in checked)
             checked.add(key)
             results.append(rec)
         except torch.OutOfMemoryError:

@@ -313,19 +313,22 @@ __device__ __forceinline__ void chunk_loop(RowPair r, int nchunks, uint32_t blk_
 // offsets in a slot, and how far the sources move from one item to the next. BLOCKS: 32-value blocks per row of an
 // item, 4 (a chunk: 16-byte code pieces, 8 bytes of scales per row) or 2 (keys at head_dim 64, below: 8 and 4). ROWS:
 // 16 (one tile) or 32 (two consecutive tiles: keys at head_dim 64, below).
+// The lane's copies: ceil(ROWS x BITS / 32) code pieces of 4 x BLOCKS bytes (a row is BITS pieces), and one piece of
+// a row's 2 x BLOCKS bytes of scales or zeros (two, scales and zeros, at 32 rows with zeros).
+template <int BITS, QuantMode MODE, int BLOCKS, int ROWS>
+using RingStreamCopies =
+    RingCopies<(ROWS * BITS + 31) / 32, 4 * BLOCKS, ROWS == 32 && MODE != QuantMode::kSym ? 2 : 1, 2 * BLOCKS>;
+
 template <int BITS, QuantMode MODE, int BLOCKS = kChunkBlocks, int ROWS = 16>
-struct RingStream : RingCopies<(ROWS * BITS + 31) / 32, 4 * BLOCKS, ROWS == 32 && MODE != QuantMode::kSym ? 2 : 1,
-                               2 * BLOCKS> {
+struct RingStream : RingStreamCopies<BITS, MODE, BLOCKS, ROWS> {
+  using Copies = RingStreamCopies<BITS, MODE, BLOCKS, ROWS>;
   static constexpr bool kZeros = MODE != QuantMode::kSym;
-  static constexpr int kPiece = 4 * BLOCKS;  // bytes of a code piece (a row is BITS pieces)
-  static constexpr int kMeta = 2 * BLOCKS;   // bytes of a row's scales (zeros)
+  static constexpr int kMeta = Copies::kMeta;
   static constexpr int kRow = BLOCKS == kChunkBlocks ? ring_row_bytes(BITS) : 8 * BITS + (BITS == 4 ? 16 : 0);
   static constexpr int kCode = ROWS * kRow;              // the codes, then ROWS x kMeta scales,
   static constexpr int kZeroAt = kCode + ROWS * kMeta;  // then (kZeros) ROWS x kMeta zeros
   static constexpr int kSlot = kZeroAt + (kZeros ? ROWS * kMeta : 0);
   static constexpr int kPieces = ROWS * BITS;
-  static constexpr int kPerLane = (kPieces + 31) / 32;          // code pieces a lane copies
-  static constexpr int kMetaPerLane = ROWS == 32 && kZeros ? 2 : 1;  // scale / zero pieces a lane copies
   // Smaller items than a chunk's take more stages: as many as the planner's 128-value ring holds, up to twice its
   // count, so that a warp keeps as many bytes in flight at head_dim 64 as at 128 (3 stages of 64 values left the
   // 2-bit key tile latency-bound in the SASS model: 15 KB in flight per SM).
@@ -349,14 +352,11 @@ __device__ __forceinline__ RingStream<BITS, MODE, BLOCKS, ROWS> ring_stream(char
                                                                             int64_t ds_bytes, int64_t dz_bytes,
                                                                             int lane) {
   using Stream = RingStream<BITS, MODE, BLOCKS, ROWS>;
-  static_assert(std::is_base_of_v<RingCopies<Stream::kPerLane, Stream::kPiece, Stream::kMetaPerLane, Stream::kMeta>,
-                                  Stream>,
-                "the copies' shape");
   Stream st;
   st.ring = ring;
   st.n = n;
 #pragma unroll
-  for (int k = 0; k < Stream::kPerLane; ++k) {
+  for (int k = 0; k < Stream::kCodes; ++k) {
     const int pc = lane + 32 * k, r = pc / BITS, j = pc - r * BITS;
     st.has[k] = pc < Stream::kPieces;
     st.c[k] = st.has[k] ? reinterpret_cast<const char*>(c_bh + min(row0 + r, last) * c_sm) + Stream::kPiece * j
@@ -383,7 +383,7 @@ __device__ __forceinline__ RingStream<BITS, MODE, BLOCKS, ROWS> ring_stream(char
     st.m[0] = reinterpret_cast<const char*>(s_bh + r * s_sm);
     st.om[0] = Stream::kCode + Stream::kMeta * lane;
     st.dm[0] = ds_bytes;
-    if constexpr (Stream::kMetaPerLane == 2) {
+    if constexpr (Stream::kMetas == 2) {
       st.hasm[1] = true;
       st.m[1] = reinterpret_cast<const char*>(z_bh + r * z_sm);
       st.om[1] = Stream::kZeroAt + Stream::kMeta * lane;

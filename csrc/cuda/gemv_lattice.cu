@@ -305,8 +305,7 @@ struct KeyRingStream : RingCopies<key_ring_lane_codes(lattice_bits(GRID), DIM), 
   static constexpr int kSlot = key_ring_slot(kBits, DIM, NG);
   static constexpr int kStages = key_ring_stages(kBits, DIM, NG, Table<GRID>::kBytes);
   static constexpr int kRowPieces = kRow / kPiece, kTilePieces = 16 * kRowPieces;
-  static constexpr int kPerLane = (kTiles * kTilePieces + 31) / 32;
-  static constexpr int kTileNormPieces = 8 * NG, kNormPerLane = (kTiles * kTileNormPieces + 31) / 32;
+  static constexpr int kTileNormPieces = 8 * NG;
   static_assert(key_ring_dim(DIM) && kRow % kPiece == 0 && kStride % kPiece == 0 && kNormAt % 16 == 0, "layout");
   static_assert(kStages >= 2 && kWarps * kStages * kSlot <= kCtaSmem - key_fixed_bytes(Table<GRID>::kBytes, DIM, 2),
                 "the ring fits the CTA's shared memory");
@@ -319,14 +318,12 @@ __device__ __forceinline__ KeyRingStream<GRID, DIM, G> key_ring_stream(char* rin
                                                                        const uint32_t* c_bh, const uint16_t* r_bh,
                                                                        const GemvLatticeParams& p, int lane) {
   using Stream = KeyRingStream<GRID, DIM, G>;
-  static_assert(std::is_base_of_v<RingCopies<Stream::kPerLane, Stream::kPiece, Stream::kNormPerLane, 4>, Stream>,
-                "the copies' shape");
   Stream st;
   st.ring = ring;
   st.n = n;
   st.dc = 16 * kWarps * Stream::kTiles * p.c_sn * 4;
 #pragma unroll
-  for (int k = 0; k < Stream::kPerLane; ++k) {
+  for (int k = 0; k < Stream::kCodes; ++k) {
     const int pc = lane + 32 * k, h = pc / Stream::kTilePieces, pt = pc - h * Stream::kTilePieces;
     const int r = pt / Stream::kRowPieces, j = pt - r * Stream::kRowPieces;
     st.has[k] = h < Stream::kTiles;
@@ -335,7 +332,7 @@ __device__ __forceinline__ KeyRingStream<GRID, DIM, G> key_ring_stream(char* rin
     st.o[k] = h * Stream::kTileBytes + r * Stream::kStride + j * Stream::kPiece;
   }
 #pragma unroll
-  for (int k = 0; k < Stream::kNormPerLane; ++k) {
+  for (int k = 0; k < Stream::kMetas; ++k) {
     const int pn = lane + 32 * k, h = pn / Stream::kTileNormPieces;
     const int e = 2 * (pn - h * Stream::kTileNormPieces), r = e / Stream::NG, gi = e - r * Stream::NG;  // of [16][NG]
     st.hasm[k] = h < Stream::kTiles;

@@ -36,10 +36,12 @@ __host__ __device__ constexpr int ring_warp_bytes(int bits, bool zeros) {
 // A lane's share of copying one ring item, the `issue` half of run_ring's Stream contract: up to CODES code pieces of
 // PIECE bytes and METAS metadata pieces (scales, zeros, norms) of META bytes, at slot offsets o / om, from sources c / m
 // that move on by dc / dm[k] bytes per item; `has` / `hasm` say which of them this lane copies. ring and n: the warp's
-// slots and its item count. A stream (gemv_inner_q's RingStream, gemv_lattice's KeyRingStream) derives from it and adds
-// kStages / kSlot and the item's layout.
+// slots and its item count. A stream (gemv_inner_q's RingStream, gemv_lattice's KeyRingStream) derives from it, fills
+// these arrays from kCodes / kPiece / kMetas / kMeta (its template arguments: the one place the counts are stated)
+// and adds kStages / kSlot and the item's layout.
 template <int CODES, int PIECE, int METAS, int META>
 struct RingCopies {
+  static constexpr int kCodes = CODES, kPiece = PIECE, kMetas = METAS, kMeta = META;
   const char* c[CODES];
   const char* m[METAS];
   int64_t dc, dm[METAS];
