@@ -10,7 +10,7 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
   composed    kvkernels.decode_attention(fused_op=False): window matmuls + the two quantized GEMVs + softmax, ~8-10 ops
   fused       kvkernels.decode_attention(fused_op=True): ops.decode_attention_fused (CUDA kernel, else Triton)
   fused general   (compiled CUDA op only) the same with KVKERNELS_ATTENTION_STORE_TILES=0: every token through the
-                  general kernel, none through the tensor-core store tiles (InnerQ presets; KIVI is the same kernel)
+                  general kernel, none through the tensor-core tiles (InnerQ's store tiles, KIVI's tiles)
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
 over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). "vs sdpa" is sdpa / row
 (> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.

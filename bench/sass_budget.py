@@ -377,9 +377,7 @@ class Spec:
     norms_in_b: bool = False  # lattice values: G = D, the norm multiplies p in B (no HMUL2 in the loop)
     vbits: int = 0  # attn_store: the value store's bits and mode (bits / mode are the key store's)
     vmode: str = ""
-    ring: bool = (
-        False  # inner_q / kivi / lattice_k: codes (+ scales, zeros / norms) through a cp.async ring (code_ring.cuh)
-    )
+    ring: bool = False  # inner_q / kivi / lattice_k: codes and scales / norms through a cp.async ring
     ring64: bool = False  # inner_q: the kLoadRing64 kernel (keys at head_dim 64 below 4 bits, two-tile ring items)
 
     @property
@@ -388,6 +386,8 @@ class Spec:
 
 
 MODES = {"0": "sym", "1": "asym", "2": "hybrid"}
+# decode_attention_fused's tensor-core tiles: InnerQ layouts (store_tiles_kernel), KIVI layouts (kivi_tiles_kernel)
+ATTN_TILES = ("attn_store", "attn_kivi")
 # lattice grid kind (kvk::LatticeGrid) -> (name, bits per value)
 LATTICE_GRIDS = {"0": ("EDEN2-16", 2), "1": ("EDEN2-64", 3), "2": ("EDEN2-256", 4), "3": ("EDEN4-256", 2)}
 LATTICE_PRESET_G = 64  # kvkernels.formats.lattice.LatticeConfig's default group size: the values' norm bytes
@@ -417,6 +417,19 @@ def spec_of(name: str) -> Spec | None:
             vbits=int(m.group(5)),
             vmode=MODES[m.group(6)],
         )
+    m = re.search(r"kivi_tiles_kernel<(\d+), (\d), (\d), (\d)>", name)
+    if m:  # decode_attention_fused's KIVI tiles: <D, NT, key bits, value bits>, asym both
+        return Spec(
+            "attn_kivi",
+            int(m.group(3)),
+            "asym",
+            int(m.group(2)),
+            False,
+            threads=128,
+            dim=int(m.group(1)),
+            vbits=int(m.group(4)),
+            vmode="asym",
+        )
     m = re.search(r"gemv_lattice_k_kernel<\(kvk::LatticeGrid\)(\d), (\d+), (\d+), (\d), (true|false)>", name)
     if m:  # the last argument: whole tiles through the keys' code ring
         grid, bits = LATTICE_GRIDS[m.group(1)]
@@ -437,21 +450,30 @@ def bytes_per_iteration(s: Spec, group_size: int = 32) -> float:
     if s.family == "inner_q":  # 16 rows x 4 blocks of 32 values; one scale (and zero) per block at G = 32
         params = 2 + (0 if s.mode == "sym" else 2)
         return 16 * 4 * (32 * s.bits / 8 + params * 32 / group_size)
-    if s.family == "attn_store":  # one warp step: keys (token rows of D) and values (D channels x the step's tokens)
-        tok = 32 if s.dim == 128 and s.ntiles == 2 else 64  # tok_per_step in csrc/cuda/decode_attention_store.cu
+    if s.family in ATTN_TILES:  # one warp step: keys and values of the step's tokens (D channels each)
+        # tok_per_step / kKiviTok in csrc/cuda/decode_attention_store.cu
+        tok = 32 if s.family == "attn_store" and s.dim == 128 and s.ntiles == 2 else 64
         kparams = 2 + (0 if s.mode == "sym" else 2)
         vparams = 2 + (0 if s.vmode == "sym" else 2)
         keys = tok * (s.dim * s.bits / 8 + kparams * s.dim / group_size)
         values = s.dim * tok * (s.vbits / 8 + vparams / group_size)
         return keys + values
-    if s.family == "lattice_k":  # one 16-token tile: whole rows of D channels, one fp16 norm per group; the ring's
-        # items at head_dim 64 are two tiles (key_ring_tiles in gemv_lattice.cu)
-        tiles = 2 if s.ring and s.dim == 64 else 1
-        return tiles * 16 * (s.dim * s.bits / 8 + 2 * s.dim / s.group)
+    if s.family == "lattice_k":  # one 16-token tile: whole rows of D channels, one fp16 norm per group
+        return 16 * (s.dim * s.bits / 8 + 2 * s.dim / s.group)
     if s.family == "lattice_v":  # one k-step: 16 tokens x the warp's DW channels, their norms (at the preset G)
         return 16 * (s.dim * s.bits / 8 + 2 * (1 if s.norms_in_b else max(1, s.dim // LATTICE_PRESET_G)))
     cols = 8 * s.cpl  # KIVI: 16 rows (one k-step) x the warp's column tile; scale + zero per group of columns
     return 16 * (cols * s.bits / 8 + 4 * cols / group_size)
+
+
+def lattice_units(s: Spec, hmma: int) -> int:
+    """How many of bytes_per_iteration's units (keys: 16-token tiles, values: k-steps) a lattice loop iteration
+    takes, counted by its MMAs (dim / 16 x n-tiles per unit): keys two tiles per ring item at head_dim 64
+    (key_ring_tiles in gemv_lattice.cu), values value_unroll k-steps."""
+    per_unit = s.dim // 16 * s.ntiles
+    if hmma == 0 or hmma % per_unit:
+        raise ValueError(f"{hmma} HMMA in the loop, not units of {per_unit}")
+    return hmma // per_unit
 
 
 def key_tile_bytes(s: Spec) -> float:
@@ -529,14 +551,27 @@ KNOWN_OVER: dict[tuple, float] = {
     ("attn_store", 3, "sym", 2, "sym", 4, 64, "steady state"): 11.1,
     ("attn_store", 3, "sym", 2, "hybrid", 4, 64, "steady state"): 11.9,
     ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 16.4,
-    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 12.7,
-    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 13.2,
+    # 12.6 / 13.0 until the query staging and the warps' merge became functions shared with the KIVI tiles (same
+    # source; ptxas allocates these 215-register loops differently: +0.2 here, -0.1 to -0.2 on four other rows)
+    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 12.9,
+    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 13.3,
     ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 14.1,
     ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 20.3,
     ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 14.0,
     ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 14.6,
     ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 15.4,
     ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 22.4,
+    # the KIVI tiles (kivi_tiles_kernel): the dequantization is 2 instructions per value pair more than the InnerQ
+    # tiles' decode (a PRMT gathers two rows' codes, an HFMA2 applies s u + z before the MMA), and every k-step loads
+    # 4 scales and 4 zeros per thread (16-bit loads) for 8 or 16 columns; kivi4 and kivi2 at head_dim 128, 4 rows are
+    # within the budget
+    ("attn_kivi", 2, "asym", 2, "asym", 8, 128, "steady state"): 12.4,
+    ("attn_kivi", 2, "asym", 2, "asym", 4, 64, "steady state"): 12.5,
+    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 15.3,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 14.7,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 18.2,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 19.0,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 23.3,
     # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
     # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
     # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2
@@ -556,7 +591,7 @@ KNOWN_OVER: dict[tuple, float] = {
 
 
 def row_key(r: Row) -> tuple:
-    if r.spec.family == "attn_store":
+    if r.spec.family in ATTN_TILES:
         return (
             r.spec.family,
             r.spec.bits,
@@ -586,7 +621,7 @@ def is_preset(s: Spec, arch: str) -> bool:
         return s.ring or s.dim > 128
     if s.family == "lattice_v":  # every grid, head_dim and group size (issue: <= 10 for the lattice GEMVs)
         return True
-    if s.family == "attn_store":  # instantiated for the InnerQ presets' (bits, mode) pairs only
+    if s.family in ATTN_TILES:  # instantiated for the InnerQ / KIVI presets' (bits, mode) pairs only
         return True
     # the presets' stores meet kivi_ring_ok at 16 columns per lane; 64-column value stores (8) keep register loads
     return s.bits in PRESET_KIVI and (s.ring if s.cpl == 16 else True)
@@ -633,12 +668,11 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
         if hot is None:
             raise RuntimeError(f"no steady-state loop found in {k.name} (sm_{k.arch})")
         nbytes = bytes_per_iteration(s)
-        if s.family == "lattice_v":  # value_unroll k-steps per iteration: dim / 16 m-tiles x n-tiles MMAs each
-            per_step = s.dim // 16 * s.ntiles
-            hmma = op_count(k, hot, "HMMA")
-            if hmma % per_step:
-                raise RuntimeError(f"{k.name} (sm_{k.arch}): {hmma} HMMA in the values loop, not k-steps of {per_step}")
-            nbytes *= hmma // per_step
+        if s.family.startswith("lattice"):
+            try:
+                nbytes *= lattice_units(s, op_count(k, hot, "HMMA"))
+            except ValueError as e:
+                raise RuntimeError(f"{k.name} (sm_{k.arch}): {e}") from None
         rows.append(loop_row(k, s, hot, "steady state", nbytes, ctas))
         if key is not None:
             rows.append(loop_row(k, s, key, "key tile (L=128)", key_tile_bytes(s), ctas))
@@ -694,8 +728,8 @@ def table(rows: list[Row]) -> str:
         ),
     ):
         s = r.spec
-        if s.family == "attn_store":
-            fam = f"decode_attention store tiles (D {s.dim})"
+        if s.family in ATTN_TILES:
+            fam = f"decode_attention {'KIVI' if s.family == 'attn_kivi' else 'store'} tiles (D {s.dim})"
         elif s.family == "lattice_k":
             fam = f"gemv_lattice_k (D {s.dim}, G {s.group})"
         elif s.family == "lattice_v":
@@ -705,9 +739,7 @@ def table(rows: list[Row]) -> str:
         narrow = not s.vec and (s.family == "inner_q" or s.family == "kivi" and kivi_has_vec(s))
         fam += ", 32-bit loads" if narrow else ""
         fam += ", cp.async ring" if s.ring else ", 16-byte loads" if s.family == "inner_q" and s.vec else ""
-        bits, mode = (
-            (f"{s.bits} / {s.vbits}", f"{s.mode} / {s.vmode}") if s.family == "attn_store" else (s.bits, s.mode)
-        )
+        bits, mode = (f"{s.bits} / {s.vbits}", f"{s.mode} / {s.vmode}") if s.family in ATTN_TILES else (s.bits, s.mode)
         lines.append(
             f"| {fam} | {bits} | {mode} | {s.query_rows} | {r.arch} | {r.what} | {r.regs}"
             f"{' SPILL' if r.spill else ''} | {r.ctas} | {r.m['counts']['issue']} | "

@@ -899,11 +899,15 @@ def test_decode_attention_fused_real_caches(preset, prompt, steps):
     assert kw is not None
     x = torch.randn((B, H_kv * gq, 1, D), generator=g, device=DEV) * D**-0.5
     cpu = {k2: v2.cpu() if isinstance(v2, torch.Tensor) else v2 for k2, v2 in kw.items()}
-    ref = reference.decode_attention_fused(x.cpu(), **cpu)
+    # kivi2 past 256 store tokens runs the KIVI tiles (fp16-rounded dequantization: _kivi_tiles_expected)
+    if preset == "kivi2":
+        ref = _kivi_tiles_expected(x.cpu(), cpu)[0]
+    else:
+        ref = reference.decode_attention_fused(x.cpu(), **cpu)
     y = torch.ops.kvkernels.decode_attention_fused(x, **kw, attn_mask=None)
-    torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.cpu().to(ref.dtype), ref, rtol=1e-4, atol=1e-4)
     y2 = torch.ops.kvkernels.decode_attention_fused(x, **kw, attn_mask=None, split_tokens=kw["group_size"])
-    torch.testing.assert_close(y2.cpu(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y2.cpu().to(ref.dtype), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("pair", ["innerq", "kivi"])
@@ -951,6 +955,50 @@ def test_decode_attention_fused_store_tiles(key, value, D, gq, T):
     x = torch.randn((2, 2 * gq, T, D), generator=_gen(10)) * D**-0.5
     for split_tokens in (0, 128):
         _attn_check(x, kw, split_tokens=split_tokens)
+
+
+# The KIVI presets' pairs (keys "cols", values "rows", asym, equal widths): over >= 256 store tokens the op runs
+# decode_attention_store.cu's KIVI tiles, which round every dequantized key and value to fp16 as gemv_kivi does (its
+# numerical contract, docs/FORMATS.md): the expected output rounds the store tokens [0, F) likewise (F = min(mk, mv)
+# rounded down to 64) and is computed in fp64; the general kernel's store edges and tails stay exact.
+KIVI_TILE_PAIRS = [((b, "asym", "cols"), (b, "asym", "rows")) for b in (2, 4, 1)]
+
+
+def _kivi_tiles_expected(x, kw):
+    def tokens(side):
+        return reference.attention.store_tokens(
+            kw[f"{side}_codes"], kw[f"{side}_scales"], kw[f"{side}_zeros"], kw[f"{side}_bits"], kw["group_size"],
+            kw[f"{side}_mode"], kw[f"{side}_layout"],
+        ).double()  # fmt: skip
+
+    keys, values = tokens("key"), tokens("value")
+    F = min(keys.shape[2], values.shape[2]) // 64 * 64
+    if F >= 256:  # the tiles run from kMinStoreTileTokens (decode_attention.cu)
+        keys[:, :, :F], values[:, :, :F] = keys[:, :, :F].half().double(), values[:, :, :F].half().double()
+    K = torch.cat([kw["sink_keys"].double(), keys, kw["key_tail"].double()], 2)
+    V = torch.cat([kw["sink_values"].double(), values, kw["value_tail"].double()], 2)
+    B, H_q, T, D = x.shape
+    assert T == 1  # every token visible (causal, one query row)
+    H_kv = K.shape[1]
+    p = (x.double().view(B, H_kv, H_q // H_kv, D) @ K.transpose(-1, -2)).softmax(-1)
+    return (p @ V).view(B, H_q, T, D), V.abs().max().item()
+
+
+@pytest.mark.parametrize("key,value", KIVI_TILE_PAIRS)
+@pytest.mark.parametrize("D,gq", [(128, 4), (64, 3), (128, 8), (64, 6)])
+def test_decode_attention_fused_kivi_tiles(key, value, D, gq, monkeypatch):
+    kw = _attn_operands(2, 2, D, S=3, mk=992, mv=1000, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
+                        x_scale=False, seed=D + gq + key[0])  # fmt: skip
+    x = torch.randn((2, 2 * gq, 1, D), generator=_gen(12)) * D**-0.5
+    want, vmax = _kivi_tiles_expected(x, kw)
+    dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    for split_tokens in (0, 128):
+        y = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, attn_mask=None, split_tokens=split_tokens)
+        err = (y.cpu().double() - want).abs().max().item()
+        assert err <= 1e-4 * vmax + 1e-5, f"max err {err:.3g}"
+    # KVKERNELS_ATTENTION_STORE_TILES=0 (read per call): the general kernel alone, exact (the fp32 reference)
+    monkeypatch.setenv("KVKERNELS_ATTENTION_STORE_TILES", "0")
+    _attn_check(x, kw)
 
 
 @pytest.mark.parametrize("split_tokens", [0, 64])

@@ -160,17 +160,23 @@ def test_spec_and_bytes_of_the_lattice_gemvs():
     )
     # one 16-token tile: 16 rows x (128 channels x 3 bits + one fp16 norm per group of 64)
     assert sb.bytes_per_iteration(k) == 16 * (48 + 2 * 2)
-    # head_dim 64: the ring's items are two tiles; the register loads take one per iteration
+    # head_dim 64: a tile is 16 x (16 + 2 x 2) bytes; the loop's MMAs (4 k-steps x 1 n-tile per tile) say how many
+    # tiles an iteration takes: the ring's items two, the register loads one
     k64 = sb.spec_of("gemv_lattice_k_kernel<(kvk::LatticeGrid)0, 64, 32, 1, true>")
     k64r = sb.spec_of("gemv_lattice_k_kernel<(kvk::LatticeGrid)0, 64, 32, 1, false>")
-    assert sb.bytes_per_iteration(k64) == 2 * sb.bytes_per_iteration(k64r) == 2 * 16 * (16 + 2 * 2)
+    assert sb.bytes_per_iteration(k64) == sb.bytes_per_iteration(k64r) == 16 * (16 + 2 * 2)
+    assert sb.lattice_units(k64, 8) == 2 and sb.lattice_units(k64r, 4) == 1 and sb.lattice_units(k, 16) == 1
+    for wrong in (0, 6):  # no MMA, or a partial tile's: the loop found is not the one the spec describes
+        with pytest.raises(ValueError, match="not units of 4"):
+            sb.lattice_units(k64, wrong)
     # the launched rows: the ring up to head_dim 128, register loads at 256
     assert sb.is_preset(k, "90") and sb.is_preset(k64, "90") and not sb.is_preset(k64r, "90")
     assert sb.is_preset(sb.spec_of("gemv_lattice_k_kernel<(kvk::LatticeGrid)0, 256, 32, 1, false>"), "90")
     v = sb.spec_of("void kvk::(anonymous namespace)::gemv_lattice_v_kernel<(kvk::LatticeGrid)3, 64, 1, true>(...)")
     assert (v.family, v.mode, v.bits, v.dim, v.norms_in_b, v.query_rows) == ("lattice_v", "EDEN4-256", 2, 64, True, 4)
-    # one k-step: 16 tokens x (64 channels x 2 bits + the norm of their one group)
+    # one k-step: 16 tokens x (64 channels x 2 bits + the norm of their one group); value_unroll's 4 k-steps
     assert sb.bytes_per_iteration(v) == 16 * (16 + 2)
+    assert sb.lattice_units(v, 4 * 4) == 4
 
 
 def test_aqua_spec_and_shared_memory():
@@ -203,6 +209,39 @@ def test_aqua_roofline_arithmetic():
     m = sb.aqua_roofline(rows, 128, 1024, 1024)
     assert (m["wm"], m["ctas"], m["active_sms"], m["warps_per_sm"]) == (1, 32, 32, 2)
     assert abs(m["pct_peak"] - 100 * 32 / 132 / 2) < 0.1
+
+
+def test_spec_and_bytes_of_the_attention_tiles():
+    # InnerQ store tiles <D, NT, key bits, mode, value bits, mode>: innerq_base at head_dim 128, 4 rows: 64 tokens
+    k = sb.spec_of("void kvk::(anonymous namespace)::store_tiles_kernel<128, 1, 3, (kvk::QuantMode)0, 3, "
+                   "(kvk::QuantMode)0>(kvk::DecodeAttentionParams, kvk::StoreTilesLaunch)")  # fmt: skip
+    assert (k.family, k.bits, k.mode, k.vbits, k.vmode, k.query_rows, k.dim) == (
+        "attn_store",
+        3,
+        "sym",
+        3,
+        "sym",
+        4,
+        128,
+    )
+    assert sb.bytes_per_iteration(k) == 2 * 64 * (128 * 3 / 8 + 2 * 128 / 32)
+    # KIVI tiles <D, NT, key bits, value bits>, asym both: kivi2 at head_dim 128, 8 rows, 64 tokens a step; keys
+    # 128 channels x 64 tokens x 2 bits + a scale and a zero per channel and 32 tokens, values the same transposed
+    v = sb.spec_of("void kvk::(anonymous namespace)::kivi_tiles_kernel<128, 2, 2, 2>(kvk::DecodeAttentionParams, "
+                   "kvk::StoreTilesLaunch)")  # fmt: skip
+    assert (v.family, v.bits, v.mode, v.vbits, v.vmode, v.query_rows, v.dim) == (
+        "attn_kivi",
+        2,
+        "asym",
+        2,
+        "asym",
+        8,
+        128,
+    )
+    assert sb.bytes_per_iteration(v) == 2 * (128 * 64 * 2 / 8 + 128 * 2 * 4)
+    assert sb.is_preset(v, "90") and not sb.is_preset(v, "87")
+    src = (sb.ROOT / "csrc" / "cuda" / "decode_attention_store.cu").read_text()
+    assert re.search(r"constexpr int kKiviTok = 64;", src), "the KIVI tiles' step changed: update bytes_per_iteration"
 
 
 def test_attention_tile_bytes_and_shared_memory():

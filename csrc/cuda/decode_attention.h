@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/kernels.h"
+#include "kvkernels/kivi_mma.cuh"
 #include "kvkernels/mma.cuh"
 
 namespace kvk {
@@ -51,7 +52,7 @@ __device__ __forceinline__ float* partial_row(const DecodeAttentionParams& p, in
 }
 
 // Store tiles: tokens [S, S + F) with F = min(mk, mv) rounded down to kStoreStep, where every token's key and value
-// come from the quantized stores (InnerQ layouts: keys "rows", values "cols"). Both kernels compute F from the counts
+// come from the quantized stores (InnerQ layouts: keys "rows", values "cols"; KIVI's: keys "cols", values "rows"). Both kernels compute F from the counts
 // they read, so with device lengths the split between them moves with the cache and the launch stays fixed.
 constexpr int64_t kStoreStep = 64;  // the store-tile kernel's largest step of tokens per warp
 __host__ __device__ constexpr int64_t store_tile_tokens(int64_t mk, int64_t mv) {
@@ -66,7 +67,8 @@ struct StoreTilesLaunch {
   int gq;             // query heads per KV head
   int k_group_shift;  // log2(G / 32): key group of channel block cb = cb >> shift (G divides D)
   uint32_t v_bpg_magic;       // block_group's magic: value group of a 32-token block (gemv.cuh)
-  DecodeConsts dec_k, dec_v;  // decoders' constants with the sym offset (decode_offset) folded in
+  DecodeConsts dec_k, dec_v;  // InnerQ tiles: the decoders' constants with the sym offset (decode_offset) folded in
+  KiviConsts kivi_k, kivi_v;  // KIVI tiles: the dequantizing decoders' constants (kivi_mma.cuh)
 };
 
 // Split planning shared by both kernels: tokens per split for `tokens` tokens over `ctas` CTAs, one split unless the

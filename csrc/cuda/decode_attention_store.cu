@@ -20,7 +20,8 @@
 // 2^14 so that small probabilities stay normal fp16 numbers in the split; the partial divides it out.
 //
 // Instantiated for the (bits, mode) pairs of the InnerQ presets (kvkernels/formats.py) at head_dim 64 and 128 and 4 or
-// 8 rows per CTA; the launcher falls back to the general kernel for anything else (store_tiles_supported).
+// 8 rows per CTA; KIVI's layouts (keys "cols", values "rows") have kernels of their own below (kivi_tiles_kernel, the
+// KIVI presets' widths); the launcher falls back to the general kernel for anything else (store_tiles_supported).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,6 +30,7 @@
 
 #include "cuda/decode_attention.h"
 #include "kvkernels/gemv.cuh"
+#include "kvkernels/kivi_mma.cuh"
 #include "kvkernels/mma.cuh"
 
 namespace kvk {
@@ -114,37 +116,107 @@ __device__ __forceinline__ void block_mma2(float (&d)[4], const uint32_t (&ha)[4
   mma_m16n8k16(d, A1, B1, d);
 }
 
-// TOK: tokens per warp step, 32 or 64 (tok_per_step); a step of 64 halves the softmax, rescale and value-addressing
-// work per token, at the cost of registers.
-template <int D, int NT, int KB, QuantMode KM, int VB, QuantMode VM>
-__global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
-  constexpr int TOK = tok_per_step(D, NT), KT = TOK / 32, KM16 = TOK / 16;
-  constexpr int QR = 4 * NT, NB = D / 32, MT = D / 16;
-  constexpr int KOFF = decode_offset<KB, KM>(), VOFF = decode_offset<VB, VM>();
-  constexpr bool kKZero = KM != QuantMode::kSym, kVZero = VM != QuantMode::kSym;
-  extern __shared__ __align__(16) float smem[];
-  float* const qs = smem;                      // [QR][D]
-  float* const xsum_s = qs + QR * D;           // [QR][NB]
-  float* const unscale_s = xsum_s + QR * NB;   // [QR]
-  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][QR][TOK]
-  float* const om = ps_all + kWarps * QR * TOK;        // [kWarps][QR][D]
-  float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
-  uint4* const qf = reinterpret_cast<uint4*>(ml + kWarps * QR * 2);  // [NT][NB][32]
+// The CTA's coordinates: (b, h_kv), query rows r0 .. r0 + nr - 1 of the R = gq x T rows of the KV head (row block
+// blockIdx.x % row_blocks), the split's store tokens [lo, hi) of [0, F) (empty past F), the sink length S and the
+// token count N it attends over (from device memory with p.lengths).
+struct TileCta {
+  int64_t b, hk, S, N, lo, hi;
+  int split, r0, nr;
+};
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
+template <int QR>
+__device__ __forceinline__ TileCta tile_cta(const DecodeAttentionParams& p, const StoreTilesLaunch& L) {
+  TileCta c;
   const int rb = static_cast<int>(blockIdx.x % static_cast<unsigned>(L.row_blocks));
   const int64_t bh = blockIdx.x / static_cast<unsigned>(L.row_blocks);
-  const int64_t b = bh / p.H_kv, hk = bh % p.H_kv;
-  const int split = blockIdx.y;
+  c.b = bh / p.H_kv, c.hk = bh % p.H_kv;
+  c.split = blockIdx.y;
   const TokenCounts cnt = p.lengths != nullptr ? token_counts<true>(p) : token_counts<false>(p);
-  const int64_t S = cnt.S, N = cnt.N, T = p.T;
+  c.S = cnt.S, c.N = cnt.N;
   const int64_t F = store_tile_tokens(cnt.mk, cnt.mv);
-  const int64_t lo = split * L.C, hi = min(F, lo + L.C);  // store tokens of the split (empty past F)
-  const int R = L.gq * static_cast<int>(T);
-  const int r0 = rb * QR, nr = min(QR, R - r0);
+  c.lo = c.split * L.C, c.hi = min(F, c.lo + L.C);
+  const int R = L.gq * static_cast<int>(p.T);
+  c.r0 = rb * QR, c.nr = min(QR, R - c.r0);
+  return c;
+}
 
-  // ---- queries: q' = x * key_x_scale, scaled per row by 2^e (max |q'| in [2^14, 2^15)) ---------------------------
+// A store's row stride in bytes as a 32-bit number (store_tiles_supported: every slice spans < 2^32 bytes).
+__device__ __forceinline__ uint32_t row_bytes(int64_t stride, uint32_t elem) {
+  return static_cast<uint32_t>(stride) * elem;
+}
+
+// A thread's score rows 4 nt + t: the caller's mask row or the causal limit, and the online softmax's running max and
+// sum (m = -inf, l = 0 until a finite score is seen).
+template <int NT>
+struct ScoreRows {
+  const float* mrow[NT];
+  int64_t limit[NT];
+  bool live[NT];  // a row of the CTA's (rows past nr: every score -inf)
+  float m_run[NT], l_run[NT];
+};
+
+template <int NT>
+__device__ __forceinline__ ScoreRows<NT> score_rows(const DecodeAttentionParams& p, const StoreTilesLaunch& L,
+                                                    const TileCta& c, int t) {
+  ScoreRows<NT> rows;
+  const int64_t T = p.T;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int r = 4 * nt + t, q = c.r0 + min(r, c.nr - 1);
+    const int64_t h = c.hk * L.gq + q / T, tq = q % T;
+    rows.live[nt] = r < c.nr;
+    rows.mrow[nt] = p.mask != nullptr ? p.mask + c.b * p.m_sb + h * p.m_sh + tq * p.m_st : nullptr;
+    rows.limit[nt] = c.N - T + tq;
+    rows.m_run[nt] = -INFINITY;
+    rows.l_run[nt] = 0.f;
+  }
+  return rows;
+}
+
+struct StepMax {
+  float m_new, alpha;  // the row's new running max; the factor rescaling what was accumulated before
+  bool seen;           // a finite (or NaN) score so far: else m stays -inf, l 0, o 0
+};
+
+// Masks row nt's scores of one warp step, s[j] for the step token lane_tok + tok(j) (0 .. STEP - 1; tok(j) a
+// compile-time offset; attention token first + the step token), and takes the row's max over the quad's 8 lanes
+// (3 shuffles) into its running max.
+template <int NS, int STEP, int NT, typename TokenOf>
+__device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows, int nt, int64_t first, int lane_tok,
+                                            const TokenOf& tok) {
+  if (rows.mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
+    const float* mj = rows.mrow[nt] + (first + lane_tok);
+#pragma unroll
+    for (int j = 0; j < NS; ++j) s[j] = rows.live[nt] ? s[j] + __ldg(mj + tok(j)) : -INFINITY;
+  } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
+    const int lim =
+        rows.live[nt] ? static_cast<int>(min(max(rows.limit[nt] - first, int64_t{-1}), int64_t{STEP})) : -1;
+#pragma unroll
+    for (int j = 0; j < NS; ++j) s[j] = tok(j) + lane_tok <= lim ? s[j] : -INFINITY;
+  }
+  float tmax = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) tmax = nan_max(tmax, s[j]);
+  tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+  tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+  tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+  // nan_max: a NaN score poisons the row (fmaxf(-inf, NaN) = -inf would drop the whole step as unseen)
+  StepMax m;
+  m.m_new = nan_max(rows.m_run[nt], tmax);
+  m.seen = m.m_new != -INFINITY;
+  m.alpha = 1.f;
+  if (m.seen) m.alpha = expf(rows.m_run[nt] - m.m_new);
+  return m;
+}
+
+// q' = x * key_x_scale of the CTA's query rows r0 .. r0 + nr - 1 into qs [QR][D] (rows past nr: 0), each row scaled by
+// 2^e so that max |q'| lies in [2^14, 2^15); unscale_s [QR] gets 2^-e. One warp per row.
+template <int D, int QR>
+__device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, const StoreTilesLaunch& L, float* qs,
+                                              float* unscale_s, int64_t b, int64_t hk, int r0, int nr, int warp,
+                                              int lane) {
+  constexpr int NB = D / 32;
+  const int64_t T = p.T;
   for (int r = warp; r < QR; r += kWarps) {
     const int q = r0 + min(r, nr - 1);
     const int64_t h = hk * L.gq + q / T, tq = q % T;
@@ -164,6 +236,61 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     for (int i = 0; i < NB; ++i) qs[r * D + lane + 32 * i] = v[i] * sc;
     if (lane == 0) unscale_s[r] = exp2i(-e);
   }
+}
+
+// The CTA's warps' partials om [kWarps][QR][D] (p * 2^14-weighted sums) and ml [kWarps][QR][2] (running max, sum),
+// merged by log-sum-exp in warp order into the split's slot of the workspace (the caller has synchronized).
+template <int D, int QR>
+__device__ __forceinline__ void merge_warps(const DecodeAttentionParams& p, const StoreTilesLaunch& L, const float* om,
+                                            const float* ml, int split, int64_t b, int64_t hk, int r0, int nr,
+                                            int tid) {
+  const int64_t T = p.T;
+  for (int i = tid; i < nr * D; i += kThreads) {
+    const int r = i / D, c = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, ml[(w * QR + r) * 2]);  // a NaN warp keeps m NaN
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = ml[(w * QR + r) * 2];
+      if (mw == -INFINITY) continue;
+      const float f = expf(mw - mx);
+      num = fmaf(f, om[(w * QR + r) * D + c], num);
+      den = fmaf(f, ml[(w * QR + r) * 2 + 1], den);
+    }
+    const int q = r0 + r;
+    const int64_t h = hk * L.gq + q / T, tq = q % T;
+    float* ws = partial_row(p, split, b, h, tq);
+    ws[c] = num * (1.f / kPScale);
+    if (c == 0) ws[D] = mx, ws[D + 1] = den;
+  }
+}
+
+// TOK: tokens per warp step, 32 or 64 (tok_per_step); a step of 64 halves the softmax, rescale and value-addressing
+// work per token, at the cost of registers.
+template <int D, int NT, int KB, QuantMode KM, int VB, QuantMode VM>
+__global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
+  constexpr int TOK = tok_per_step(D, NT), KT = TOK / 32, KM16 = TOK / 16;
+  constexpr int QR = 4 * NT, NB = D / 32, MT = D / 16;
+  constexpr int KOFF = decode_offset<KB, KM>(), VOFF = decode_offset<VB, VM>();
+  constexpr bool kKZero = KM != QuantMode::kSym, kVZero = VM != QuantMode::kSym;
+  extern __shared__ __align__(16) float smem[];
+  float* const qs = smem;                      // [QR][D]
+  float* const xsum_s = qs + QR * D;           // [QR][NB]
+  float* const unscale_s = xsum_s + QR * NB;   // [QR]
+  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][QR][TOK]
+  float* const om = ps_all + kWarps * QR * TOK;        // [kWarps][QR][D]
+  float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
+  uint4* const qf = reinterpret_cast<uint4*>(ml + kWarps * QR * 2);  // [NT][NB][32]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
+  const TileCta c = tile_cta<QR>(p, L);
+  const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
+  const int split = c.split, r0 = c.r0, nr = c.nr;
+
+  stage_queries<D, QR>(p, L, qs, unscale_s, b, hk, r0, nr, warp, lane);
   __syncthreads();
   if constexpr (kKZero) {
     for (int i = tid; i < QR * NB; i += kThreads) {
@@ -196,30 +323,15 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const uint4* const qfl = qf + lane;
 
   // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
-  const float* mrow[NT];
-  int64_t limit[NT];
-  bool live[NT];
-  float m_run[NT], l_run[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int r = 4 * nt + t, q = r0 + min(r, nr - 1);
-    const int64_t h = hk * L.gq + q / T, tq = q % T;
-    live[nt] = r < nr;
-    mrow[nt] = p.mask != nullptr ? p.mask + b * p.m_sb + h * p.m_sh + tq * p.m_st : nullptr;
-    limit[nt] = N - T + tq;
-    m_run[nt] = -INFINITY;
-    l_run[nt] = 0.f;
-  }
+  ScoreRows<NT> rows = score_rows<NT>(p, L, c, t);
 
   // Addressing: 64-bit bases of the (b, h_kv) slices, rows reached by one mad.wide.u32 each (offset_rows) with the
   // row strides in bytes as 32-bit numbers (store_tiles_supported: every slice spans < 2^32 bytes). Value rows are
   // channels: this thread's channel g is the base, channel 16 mt + g (+ 8) adds a compile-time multiple of the stride.
   const AttnStore& K = p.keys;
   const AttnStore& V = p.values;
-  const uint32_t kcs = static_cast<uint32_t>(K.c_sr) * 4u, kss = static_cast<uint32_t>(K.s_sr) * 2u;
-  const uint32_t kzs = static_cast<uint32_t>(K.z_sr) * 2u;
-  const uint32_t vcs = static_cast<uint32_t>(V.c_sr) * 4u, vss = static_cast<uint32_t>(V.s_sr) * 2u;
-  const uint32_t vzs = static_cast<uint32_t>(V.z_sr) * 2u;
+  const uint32_t kcs = row_bytes(K.c_sr, 4), kss = row_bytes(K.s_sr, 2), kzs = row_bytes(K.z_sr, 2);
+  const uint32_t vcs = row_bytes(V.c_sr, 4), vss = row_bytes(V.s_sr, 2), vzs = row_bytes(V.z_sr, 2);
   const uint32_t* const kc = K.codes + b * K.c_sb + hk * K.c_sh;
   const uint16_t* const ksc = K.scales + b * K.s_sb + hk * K.s_sh;
   const uint16_t* const kz = kKZero ? K.zeros + b * K.z_sb + hk * K.z_sh : nullptr;
@@ -283,15 +395,18 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     __syncwarp();  // the previous step's p is read
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
+      // step_max's masking and max, written out over sc[nt][mt][i] (step token g + 16 mt + 8 i): through step_max
+      // (a pointer into sc) ptxas allocated this loop differently, +0.1-0.5 instructions per byte on 12 of the 20
+      // instantiations (sass_budget, 2026-11-27)
       float tmax = -INFINITY;
-      if (mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
-        const float* mj = mrow[nt] + (S + f0 + g);
+      if (rows.mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
+        const float* mj = rows.mrow[nt] + (S + f0 + g);
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
 #pragma unroll
-          for (int i = 0; i < 2; ++i) sc[nt][mt][i] = live[nt] ? sc[nt][mt][i] + __ldg(mj + 16 * mt + 8 * i) : -INFINITY;
+          for (int i = 0; i < 2; ++i) sc[nt][mt][i] = rows.live[nt] ? sc[nt][mt][i] + __ldg(mj + 16 * mt + 8 * i) : -INFINITY;
       } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
-        const int lim = live[nt] ? static_cast<int>(min(max(limit[nt] - (S + f0), int64_t{-1}), int64_t{TOK})) : -1;
+        const int lim = rows.live[nt] ? static_cast<int>(min(max(rows.limit[nt] - (S + f0), int64_t{-1}), int64_t{TOK})) : -1;
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
 #pragma unroll
@@ -304,11 +419,10 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
       tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
       tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
-      // nan_max: a NaN score poisons the row (fmaxf(-inf, NaN) = -inf would drop the whole step as unseen)
-      const float m_new = nan_max(m_run[nt], tmax);
+      const float m_new = nan_max(rows.m_run[nt], tmax);
       float alpha = 1.f;
       const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
-      if (seen) alpha = expf(m_run[nt] - m_new);
+      if (seen) alpha = expf(rows.m_run[nt] - m_new);
       float sum = 0.f;
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
@@ -336,8 +450,8 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
           sum += bsum;
         }
       }
-      l_run[nt] = fmaf(l_run[nt], alpha, sum);
-      m_run[nt] = m_new;
+      rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
+      rows.m_run[nt] = m_new;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) o[nt][mt][0] *= alpha, o[nt][mt][1] *= alpha;
     }
@@ -402,29 +516,199 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     float* dst = om + (warp * QR + r) * D;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) dst[16 * mt + g] = o[nt][mt][0], dst[16 * mt + g + 8] = o[nt][mt][1];
-    if (g == 0) ml[(warp * QR + r) * 2] = m_run[nt], ml[(warp * QR + r) * 2 + 1] = l_run[nt];
+    if (g == 0) ml[(warp * QR + r) * 2] = rows.m_run[nt], ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt];
   }
   __syncthreads();
-  for (int i = tid; i < nr * D; i += kThreads) {
-    const int r = i / D, c = i % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, ml[(w * QR + r) * 2]);  // a NaN warp keeps m NaN
-    float num = 0.f, den = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = ml[(w * QR + r) * 2];
-      if (mw == -INFINITY) continue;
-      const float f = expf(mw - mx);
-      num = fmaf(f, om[(w * QR + r) * D + c], num);
-      den = fmaf(f, ml[(w * QR + r) * 2 + 1], den);
-    }
-    const int q = r0 + r;
-    const int64_t h = hk * L.gq + q / T, tq = q % T;
-    float* ws = partial_row(p, split, b, h, tq);
-    ws[c] = num * (1.f / kPScale);
-    if (c == 0) ws[D] = mx, ws[D + 1] = den;
+  merge_warps<D, QR>(p, L, om, ml, split, b, hk, r0, nr, tid);
+}
+
+// ---- KIVI layouts: keys "cols" (a channel's codes along tokens, groups of G tokens), values "rows" ----------------
+// Both products reduce over a store's rows with asym groups along its columns, the form of gemv_kivi (kivi_mma.cuh):
+// A = 16 store columns x 16 store rows, dequantized to fp16 (s * u + z) before the MMA, B = the other operand's hi / lo
+// pairs of the thread's rows 4t .. 4t + 3. Per warp step of 64 tokens:
+//   scores  the key store's rows are channels: D / 16 k-steps; lane g owns tokens 8g .. 8g + 7 of the step (8 columns,
+//           4 m-tiles); B = q' staged once per CTA as fragments [NT][D / 16][32 lanes]. Thread (g, t) gets the scores of
+//           query row 4 nt + t for its 8 tokens.
+//   softmax as the InnerQ tiles (3 shuffles for a row's max and sum); p * 2^14 to the warp's shared [QR][64].
+//   P.V     the value store's rows are tokens: 4 k-steps; lane g owns channels (D / 8) g .. + D / 8 - 1 (16 or 8
+//           columns); B = p of the thread's 4 tokens, read back from shared memory. The fp32 accumulators hold
+//           channel 2i (d[i][nt][0] + [1]) and 2i + 1 ([2] + [3]) of the lane's columns.
+// Precision: the composed KIVI path's (gemv_kivi): every dequantized key and value is rounded once to fp16
+// (relative 2^-11), products and sums fp32. The InnerQ tiles above are exact in the codes instead.
+constexpr int kKiviTok = 64;  // tokens per warp step: 8 lanes x 8 key columns (= kStoreStep)
+
+__host__ __device__ constexpr int kivi_smem_floats(int D, int QR) {
+  return (QR + 3) / 4 * 4 + kWarps * QR * kKiviTok + kWarps * QR * D + kWarps * QR * 2;
+}
+// After the floats: the key MMAs' B fragments [NT][D / 16][32 lanes] (uint2).
+__host__ __device__ constexpr int kivi_smem_bytes(int D, int QR) {
+  return kivi_smem_floats(D, QR) * 4 + (QR / 4) * (D / 16) * 32 * 8;
+}
+
+template <int D, int NT, int KB, int VB>
+__global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
+  constexpr int TOK = kKiviTok, QR = 4 * NT, KS = D / 16, VS = TOK / 16;
+  constexpr int KCPL = 8, VCPL = D / 8;  // columns per lane: key tokens, value channels
+  static_assert(8 * KCPL == TOK && (VCPL == 8 || VCPL == 16), "a warp step covers 8 lanes' columns");
+  extern __shared__ __align__(16) float smem[];
+  float* const unscale_s = smem;                       // [QR] (padded to 4)
+  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][QR][TOK]
+  float* const om = ps_all + kWarps * QR * TOK;        // [kWarps][QR][D]; before the loop: the staged queries [QR][D]
+  float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
+  uint2* const qf = reinterpret_cast<uint2*>(ml + kWarps * QR * 2);  // [NT][KS][32]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
+  const TileCta c = tile_cta<QR>(p, L);
+  const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
+  const int split = c.split, r0 = c.r0, nr = c.nr;
+
+  // ---- queries, then the key MMAs' B fragments: lane (g, t) of k-step ks, n-tile nt: q'[4 nt + g / 2][16 ks + 4t ..
+  // + 3], part g & 1 ----------------------------------------------------------------------------------------------
+  stage_queries<D, QR>(p, L, om, unscale_s, b, hk, r0, nr, warp, lane);
+  __syncthreads();
+  for (int i = tid; i < NT * KS * 32; i += kThreads) {
+    const int ln = i % 32, ks = (i / 32) % KS, nt = i / (32 * KS);
+    const float* src = om + (4 * nt + (ln >> 3)) * D + 16 * ks + 4 * (ln & 3);
+    const float pl = static_cast<float>((ln >> 2) & 1);
+    qf[i] = make_uint2(split_pair(src[0], src[1], pl), split_pair(src[2], src[3], pl));
   }
+  float us[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) us[nt] = unscale_s[4 * nt + t];
+  __syncthreads();
+
+  // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
+  ScoreRows<NT> rows = score_rows<NT>(p, L, c, t);
+
+  // Addressing (32-bit row offsets from 64-bit slice bases, as above). Keys: this thread's channel rows 16 ks + 4t + j,
+  // at the lane's tokens of the step: word (f0 / 32) KB + kslot.word, group of token f0 + 8g. Values: token rows
+  // f0 + 16 vs + 4t + j, at the lane's channels VCPL g (word vslot.word, group VCPL g / G).
+  const AttnStore& K = p.keys;
+  const AttnStore& V = p.values;
+  const uint32_t kcs = row_bytes(K.c_sr, 4), kss = row_bytes(K.s_sr, 2), kzs = row_bytes(K.z_sr, 2);
+  const uint32_t vcs = row_bytes(V.c_sr, 4), vss = row_bytes(V.s_sr, 2), vzs = row_bytes(V.z_sr, 2);
+  const LaneSlot kslot = lane_slot<KB>(KCPL * g), vslot = lane_slot<VB>(VCPL * g);
+  LaneSel ksel, vsel;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ksel.sel[i] = pair_sel(kslot.byte0 + i), vsel.sel[i] = pair_sel(vslot.byte0 + i);
+  ksel.hsel[0] = ksel.hsel[1] = vsel.hsel[0] = vsel.hsel[1] = 0u;  // no 3-bit stores here (kivi_tiles_supported)
+  const uint32_t* const kc_t = offset_rows(K.codes + b * K.c_sb + hk * K.c_sh + kslot.word, 4u * t, kcs);
+  const uint16_t* const ks_t = offset_rows(K.scales + b * K.s_sb + hk * K.s_sh, 4u * t, kss);
+  const uint16_t* const kz_t = offset_rows(K.zeros + b * K.z_sb + hk * K.z_sh, 4u * t, kzs);
+  const int vgi = VCPL * g / p.group_size;
+  const uint32_t* const vc_b = V.codes + b * V.c_sb + hk * V.c_sh + vslot.word;
+  const uint16_t* const vs_b = V.scales + b * V.s_sb + hk * V.s_sh + vgi;
+  const uint16_t* const vz_b = V.zeros + b * V.z_sb + hk * V.z_sh + vgi;
+  float* const ps = ps_all + warp * QR * TOK;
+
+  float o[VCPL / 2][NT][4];
+#pragma unroll
+  for (int i = 0; i < VCPL / 2; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) o[i][nt][0] = o[i][nt][1] = o[i][nt][2] = o[i][nt][3] = 0.f;
+
+#pragma unroll 1
+  for (int64_t f0 = lo + TOK * warp; f0 < hi; f0 += TOK * kWarps) {
+    // ---- scores of tokens f0 + 8g + j, j = 0 .. 7 -------------------------------------------------------------------
+    const uint32_t kw = static_cast<uint32_t>(f0 / 32) * KB;                              // the step's first word
+    const uint32_t kg = block_group(static_cast<uint32_t>((f0 + KCPL * g) / 32), L.v_bpg_magic);  // token group
+    float d[KCPL / 2][NT][4];
+#pragma unroll
+    for (int i = 0; i < KCPL / 2; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) d[i][nt][0] = d[i][nt][1] = d[i][nt][2] = d[i][nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      LaneCodes<KB, KCPL> lc[4];
+      uint16_t sk[4], zk[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_t, 16u * ks + j, kcs) + kw, nullptr);
+        sk[j] = __ldg(offset_rows(ks_t, 16u * ks + j, kss) + kg);
+        zk[j] = __ldg(offset_rows(kz_t, 16u * ks + j, kzs) + kg);
+      }
+      kstep_compute<KB, NT, KCPL>(lc, sk, zk, qf + ks * 32 + lane, KS * 32, ksel, L.kivi_k, d);
+    }
+    float sc[NT][KCPL];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < KCPL / 2; ++i) {
+        sc[nt][2 * i] = (d[i][nt][0] + d[i][nt][1]) * us[nt];
+        sc[nt][2 * i + 1] = (d[i][nt][2] + d[i][nt][3]) * us[nt];
+      }
+
+    // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
+    __syncwarp();  // the previous step's p is read
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      // the lane's offset inside tok (not lane_tok): 1 point less at 1 bit, head_dim 64, 8 rows (ptxas)
+      const StepMax sm = step_max<KCPL, TOK>(sc[nt], rows, nt, S + f0, 0, [&](int j) { return KCPL * g + j; });
+      const float m_new = sm.m_new, alpha = sm.alpha;
+      const bool seen = sm.seen;
+      float pj[KCPL], sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < KCPL; ++j) {
+        pj[j] = seen ? expf(sc[nt][j] - m_new) : 0.f;
+        sum += pj[j];
+      }
+      float* dst = ps + (4 * nt + t) * TOK + KCPL * g;
+      *reinterpret_cast<float4*>(dst) = make_float4(pj[0] * kPScale, pj[1] * kPScale, pj[2] * kPScale, pj[3] * kPScale);
+      *reinterpret_cast<float4*>(dst + 4) =
+          make_float4(pj[4] * kPScale, pj[5] * kPScale, pj[6] * kPScale, pj[7] * kPScale);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
+      rows.m_run[nt] = m_new;
+#pragma unroll
+      for (int i = 0; i < VCPL / 2; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[i][nt][c] *= alpha;
+    }
+    __syncwarp();
+    // B fragments of p: lane (g, t) of k-step vs takes row 4 nt + g / 2, tokens 16 vs + 4t .. + 3, part g & 1
+    uint2 pf[VS][NT];
+#pragma unroll
+    for (int vs = 0; vs < VS; ++vs)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float4 a = *reinterpret_cast<const float4*>(ps + (4 * nt + (g >> 1)) * TOK + 16 * vs + 4 * t);
+        pf[vs][nt] = make_uint2(split_pair(a.x, a.y, part), split_pair(a.z, a.w, part));
+      }
+
+    // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
+    const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;
+#pragma unroll
+    for (int vs = 0; vs < VS; ++vs) {
+      LaneCodes<VB, VCPL> lc[4];
+      uint16_t sv[4], zv[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t row = row0 + 16u * vs + j;
+        load_lane<VB, VCPL, false>(lc[j], offset_rows(vc_b, row, vcs), nullptr);
+        sv[j] = __ldg(offset_rows(vs_b, row, vss));
+        zv[j] = __ldg(offset_rows(vz_b, row, vzs));
+      }
+      kstep_compute<VB, NT, VCPL>(lc, sv, zv, &pf[vs][0], 1, vsel, L.kivi_v, o);
+    }
+  }
+
+  // ---- merge the warps' partials and write the split's slot of the workspace --------------------------------------
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int r = 4 * nt + t;
+    float* dst = om + (warp * QR + r) * D + VCPL * g;
+#pragma unroll
+    for (int i = 0; i < VCPL / 2; ++i) {
+      dst[2 * i] = o[i][nt][0] + o[i][nt][1];
+      dst[2 * i + 1] = o[i][nt][2] + o[i][nt][3];
+    }
+    if (g == 0) ml[(warp * QR + r) * 2] = rows.m_run[nt], ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt];
+  }
+  __syncthreads();
+  merge_warps<D, QR>(p, L, om, ml, split, b, hk, r0, nr, tid);
 }
 
 // ---- instantiations: the InnerQ presets' (key bits, mode, value bits, mode) --------------------------------------
@@ -466,7 +750,29 @@ int combo_of(const DecodeAttentionParams& p) {
   return -1;
 }
 
+// KIVI tiles: the KIVI presets' (kivi2, kivi4, kivi1_eta) equal key and value widths, asym both.
+template <int D, int NT>
+StoreKernel kivi_kernel_for(int bits) {
+  switch (bits) {
+    case 1: return &kivi_tiles_kernel<D, NT, 1, 1>;
+    case 2: return &kivi_tiles_kernel<D, NT, 2, 2>;
+    case 4: return &kivi_tiles_kernel<D, NT, 4, 4>;
+    default: return nullptr;
+  }
+}
+
+bool kivi_layouts(const DecodeAttentionParams& p) {
+  return p.keys.layout == StoreLayout::kCols && p.values.layout == StoreLayout::kRows;
+}
+
 StoreKernel store_kernel(const DecodeAttentionParams& p, int nt) {
+  if (kivi_layouts(p)) {
+    if (p.keys.mode != QuantMode::kAsym || p.values.mode != QuantMode::kAsym || p.keys.bits != p.values.bits)
+      return nullptr;
+    if (p.D == 64) return nt == 1 ? kivi_kernel_for<64, 1>(p.keys.bits) : kivi_kernel_for<64, 2>(p.keys.bits);
+    if (p.D == 128) return nt == 1 ? kivi_kernel_for<128, 1>(p.keys.bits) : kivi_kernel_for<128, 2>(p.keys.bits);
+    return nullptr;
+  }
   const int combo = combo_of(p);
   if (combo < 0) return nullptr;
   if (p.D == 64) return nt == 1 ? store_kernel_for<64, 1>(combo) : store_kernel_for<64, 2>(combo);
@@ -474,22 +780,26 @@ StoreKernel store_kernel(const DecodeAttentionParams& p, int nt) {
   return nullptr;
 }
 
-int smem_bytes(int D, int nt) { return store_smem_bytes(D, 4 * nt); }
+int smem_bytes(const DecodeAttentionParams& p, int nt) {
+  return kivi_layouts(p) ? kivi_smem_bytes(p.D, 4 * nt) : store_smem_bytes(p.D, 4 * nt);
+}
 
 }  // namespace
 
 bool store_tiles_supported(const DecodeAttentionParams& p) {
-  if (p.keys.layout != StoreLayout::kRows || p.values.layout != StoreLayout::kCols) return false;
-  if ((p.D != 64 && p.D != 128) || combo_of(p) < 0) return false;
+  const bool innerq = p.keys.layout == StoreLayout::kRows && p.values.layout == StoreLayout::kCols;
+  if (!innerq && !kivi_layouts(p)) return false;
+  if ((p.D != 64 && p.D != 128) || store_kernel(p, 1) == nullptr) return false;
   if (p.group_size <= 0 || p.group_size > p.D || p.D % p.group_size != 0 || p.group_size % 32 != 0) return false;
+  if (kivi_layouts(p) && (p.keys.zeros == nullptr || p.values.zeros == nullptr)) return false;
   // the kernel's 32-bit row offsets: each (b, h_kv) slice of codes / scales / zeros spans < 2^32 bytes
   const auto fits = [](int64_t rows, int64_t stride, int64_t esz) { return rows * stride * esz < (int64_t{1} << 32) - 64; };
   for (const AttnStore* st : {&p.keys, &p.values}) {
-    const int64_t rows = st == &p.keys ? p.keys.m + 32 : p.D;
+    const int64_t rows = st->layout == StoreLayout::kRows ? st->m + 64 : p.D;
     if (!fits(rows, st->c_sr, 4) || !fits(rows, st->s_sr, 2) || (st->zeros != nullptr && !fits(rows, st->z_sr, 2)))
       return false;
   }
-  if (p.keys.bits == 3) {  // whole key rows with 8-byte loads
+  if (innerq && p.keys.bits == 3) {  // whole key rows with 8-byte loads
     const uint64_t addr = reinterpret_cast<uint64_t>(p.keys.codes);
     if (addr % 8 != 0 || p.keys.c_sb % 2 != 0 || p.keys.c_sh % 2 != 0 || p.keys.c_sr % 2 != 0) return false;
   }
@@ -509,10 +819,12 @@ bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesL
   L.v_bpg_magic = block_group_magic(p.group_size / 32);
   L.dec_k = decode_consts_for(p.keys.bits, p.keys.mode);
   L.dec_v = decode_consts_for(p.values.bits, p.values.mode);
+  L.kivi_k = kivi_consts(p.keys.bits);
+  L.kivi_v = kivi_consts(p.values.bits);
   const int64_t ctas = p.B * p.H_kv * L.row_blocks;
   int64_t C = p.split_tokens;
   if (C == 0)
-    C = planned_split_tokens(reinterpret_cast<const void*>(fn), kThreads, smem_bytes(p.D, L.nt), p.num_sms, ctas,
+    C = planned_split_tokens(reinterpret_cast<const void*>(fn), kThreads, smem_bytes(p, L.nt), p.num_sms, ctas,
                              F_cap, kStoreStep, kMinSplitTokens);
   C = round_up(C, kStoreStep);  // an explicit split_tokens (a multiple of G) to whole steps
   const int64_t splits = split_count(F_cap, C);
@@ -525,7 +837,7 @@ cudaError_t launch_store_tiles(const DecodeAttentionParams& p, const StoreTilesL
   const StoreKernel fn = store_kernel(p, L.nt);
   if (fn == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(p.B * p.H_kv * L.row_blocks), static_cast<unsigned>(L.num_splits));
-  fn<<<grid, kThreads, smem_bytes(p.D, L.nt), stream>>>(p, L);
+  fn<<<grid, kThreads, smem_bytes(p, L.nt), stream>>>(p, L);
   return cudaGetLastError();
 }
 

@@ -628,6 +628,10 @@ struct AttnCase {
   int64_t expect_splits = -1;  // >= 0: the plan must make this many splits
   bool aligned = false;        // stores without row padding, 16-byte aligned (3-bit keys need it for the store tiles)
   int64_t nan_key_token = -1;  // >= 0: the key store's scale of this token (b 0, h_kv 0, first group) is NaN
+  // KIVI layouts on the store tiles: the tokens [S, S + F) go through kivi_tiles_kernel, which rounds each dequantized
+  // key and value to fp16 (s u + z in one HFMA2, as gemv_kivi): the reference does too there, so the bound stays
+  // fp32's. (A case that expects the tiles but runs the exact general kernel, or the reverse, fails the bound.)
+  bool kivi_tiles = false;
   cudaError_t expect = cudaSuccess;
   // device lengths: every part becomes a capacity buffer with extra[i] junk tokens (sink, key store, key tail, value
   // store, value tail; a "cols" store's a multiple of G, a store's <= 64): NaN windows, mask columns and scales /
@@ -674,15 +678,16 @@ static AttnStoreBuf make_store(int64_t B, int64_t H, int D, int G, int64_t m, in
   return sb;
 }
 
-// token j (0 .. m-1), channel c of a store, in double
-static double store_value(const AttnStore& st, int G, int64_t b, int64_t hk, int64_t j, int c) {
+// token j (0 .. m-1), channel c of a store, in double (fp16: rounded once to fp16, as the KIVI tiles' HFMA2)
+static double store_value(const AttnStore& st, int G, int64_t b, int64_t hk, int64_t j, int c, bool fp16 = false) {
   const bool rows = st.layout == StoreLayout::kRows;
   const int64_t r = rows ? j : c, col = rows ? c : j;  // packed row and position along it
   const uint32_t u = unpack_one_rt(st.codes + b * st.c_sb + hk * st.c_sh + r * st.c_sr + (col / 32) * st.bits, col % 32, st.bits);
   const uint16_t sbits = st.scales[b * st.s_sb + hk * st.s_sh + r * st.s_sr + col / G];
   const uint16_t zbits = st.zeros ? st.zeros[b * st.z_sb + hk * st.z_sh + r * st.z_sr + col / G] : 0;
   const GroupAffine a = group_affine_rt(st.mode, st.bits, sbits, zbits);
-  return (double)a.s * u + a.zeff;
+  const double w = (double)a.s * u + a.zeff;
+  return fp16 ? (double)half_bits_to_float(double_to_half_bits(w)) : w;
 }
 
 struct AttnWindowBuf {
@@ -831,9 +836,10 @@ void attn_case(const AttnCase& a) {
             k = sk.exact[1 + b * sk.w.sb + hk * sk.w.sh + j * sk.w.st + c];
             v = sv.exact[1 + b * sv.w.sb + hk * sv.w.sh + j * sv.w.st + c];
           } else {
-            if (j < S + a.mk) k = store_value(ks_used, G, b, hk, j - S, c) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
+            const bool tile = a.kivi_tiles && j - S < std::min(a.mk, a.mv) / 64 * 64;  // store_tile_tokens
+            if (j < S + a.mk) k = store_value(ks_used, G, b, hk, j - S, c, tile) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
             else k = tk.exact[1 + b * tk.w.sb + hk * tk.w.sh + (j - S - a.mk) * tk.w.st + c];
-            if (j < S + a.mv) v = store_value(vs_used, G, b, hk, j - S, c);
+            if (j < S + a.mv) v = store_value(vs_used, G, b, hk, j - S, c, tile);
             else v = tv.exact[1 + b * tv.w.sb + hk * tv.w.sh + (j - S - a.mv) * tv.w.st + c];
           }
           K[j * D + c] = k, V[j * D + c] = v;
@@ -986,11 +992,38 @@ void attn_cases() {
   // its own, ceil(749 / 128) = 6, after the store tiles' 256 / 128 = 2
   { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.S = 3; a.mk = 1000; a.mv = 288; a.ntk = 5; a.H_q = 4;
     a.H_kv = 1; a.split_tokens = 128; a.expect_splits = 8; a.mask_kind = 1; attn_case(a); }
+  // KIVI tiles (kivi_tiles_kernel: keys "cols", values "rows", asym, equal widths 1 / 2 / 4): head_dim 64 / 128, 4 and
+  // 8 rows per CTA (and two row blocks), key groups of 32 / 64 tokens, causal T = 3, masks, planned and explicit
+  // splits, device lengths, a NaN key group; the store edges and tails in the general kernel
+  { AttnCase a; a.kivi_tiles = true; a.aligned = true; a.D = 128; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 0; a.mk = 448; a.mv = 470; a.ntk = 60; a.H_q = 8; a.H_kv = 2;
+    a.split_tokens = 128; attn_case(a); }                                                                  // kivi2
+  { AttnCase a; a.kivi_tiles = true; a.D = 64; a.G = 64; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 2; a.mk = 384; a.mv = 400; a.ntk = 30; a.H_q = 6; a.H_kv = 1;
+    a.mask_kind = 1; a.dt = XDtype::kBF16; a.num_sms = 16; attn_case(a); }                                // kivi4
+  { AttnCase a; a.kivi_tiles = true; a.D = 128; a.kbits = a.vbits = 1; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 5; a.mk = 320; a.mv = 330; a.ntk = 40; a.T = 3; a.H_q = 2;
+    a.H_kv = 1; a.split_tokens = 64; attn_case(a); }                                                       // kivi1
+  { AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 1; a.mk = 288; a.mv = 300; a.ntk = 20; a.H_q = 8; a.H_kv = 1;
+    a.B = 1; a.mask_kind = 2; a.dev_lengths = true; a.extra[1] = 64; a.extra[3] = 40; a.split_tokens = 64;
+    attn_case(a); }                                                                                        // 8 rows
+  { AttnCase a; a.kivi_tiles = true; a.D = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 256; a.mv = 256; a.ntk = 130; a.T = 2; a.H_q = 6; a.H_kv = 1;
+    a.mask_kind = 1; a.xscale = true; attn_case(a); }                                                      // 2 row blocks
+  for (int64_t k : {0, 200}) {  // a NaN key group (channel 0): tokens k .. in the tiles, rows NaN
+    AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 320; a.mv = 320; a.ntk = 4; a.H_q = 4; a.H_kv = 2;
+    a.nan_key_token = k; attn_case(a);
+  }
   // KVKERNELS_ATTENTION_STORE_TILES=0: the same innerq_base call as the first store-tile case, general kernel only
   // (its own plan: ceil(320 / 96) = 4 splits, not 2 + 1)
   setenv("KVKERNELS_ATTENTION_STORE_TILES", "0", 1);
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 5; a.mk = 300; a.mv = 288; a.ntk = 20;
     a.H_q = 8; a.H_kv = 2; a.xscale = true; a.split_tokens = 96; a.expect_splits = 4; attn_case(a); }
+  { AttnCase a; a.D = 128; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym; a.klay = SL::kCols;
+    a.vlay = SL::kRows; a.mk = 448; a.mv = 470; a.ntk = 60; a.H_q = 8; a.H_kv = 2; a.split_tokens = 128;
+    attn_case(a); }  // and the kivi2 one: exact
   unsetenv("KVKERNELS_ATTENTION_STORE_TILES");
   // a NaN key scale in the first step of a split (S = 0: nothing finite seen before it) must make the head's rows NaN,
   // in the store tiles (tokens 0 and 192: warp 0's and warp 3's first step) and in the general kernel alone
