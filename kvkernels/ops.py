@@ -559,7 +559,8 @@ def decode_attention_fused(
     float dtype; each store is codes / scales / zeros in layout "rows" (token-major, groups along channels) or
     "cols" (channel-major, groups along tokens), with stored keys = K / key_x_scale when key_x_scale [H_kv, D] is
     given. attn_mask: additive fp32 [B|1, H_q|1, T, N], None = causal among the last T tokens. split_tokens: tokens
-    per split-KV chunk (multiple of G; 0 = planned); it changes rounding order only. lengths: int64 [5] on the
+    per split-KV chunk (multiple of G; 0 = planned); it changes rounding order only (the CUDA op's KIVI tiles also
+    round KIVI's dequantized tokens to fp16, as gemv_kivi: kvkernels/reference/attention.py). lengths: int64 [5] on the
     device, the tokens used of (sink, key store, key tail, value store, value tail); the parts are then capacity
     buffers, the mask [B|1, H_q|1, T, M] spans at least the tokens they can hold, and no token count is read on the
     host (CUDA-graph capturable; kvkernels.static_cache). Spec and shapes:

@@ -964,13 +964,16 @@ def test_decode_attention_fused_store_tiles(key, value, D, gq, T):
 KIVI_TILE_PAIRS = [((b, "asym", "cols"), (b, "asym", "rows")) for b in (2, 4, 1)]
 
 
-def _kivi_tiles_expected(x, kw):
+def _kivi_tiles_expected(x, kw, attn_mask=None):
+    """fp64 softmax(x K^T + mask) V with the store tokens the KIVI tiles run rounded to fp16; mask None = causal."""
+
     def tokens(side):
         return reference.attention.store_tokens(
             kw[f"{side}_codes"], kw[f"{side}_scales"], kw[f"{side}_zeros"], kw[f"{side}_bits"], kw["group_size"],
             kw[f"{side}_mode"], kw[f"{side}_layout"],
         ).double()  # fmt: skip
 
+    assert kw.get("key_x_scale") is None  # KIVI caches have none
     keys, values = tokens("key"), tokens("value")
     F = min(keys.shape[2], values.shape[2]) // 64 * 64
     if F >= 256:  # the tiles run from kMinStoreTileTokens (decode_attention.cu)
@@ -978,27 +981,40 @@ def _kivi_tiles_expected(x, kw):
     K = torch.cat([kw["sink_keys"].double(), keys, kw["key_tail"].double()], 2)
     V = torch.cat([kw["sink_values"].double(), values, kw["value_tail"].double()], 2)
     B, H_q, T, D = x.shape
-    assert T == 1  # every token visible (causal, one query row)
-    H_kv = K.shape[1]
-    p = (x.double().view(B, H_kv, H_q // H_kv, D) @ K.transpose(-1, -2)).softmax(-1)
+    H_kv, N = K.shape[1], K.shape[2]
+    scores = (x.double().view(B, H_kv, H_q // H_kv * T, D) @ K.transpose(-1, -2)).view(B, H_q, T, N)
+    if attn_mask is None:
+        attn_mask = reference.attention.causal_mask(T, N, x.device)
+    p = (scores + attn_mask.double()).softmax(-1).view(B, H_kv, H_q // H_kv * T, N)
     return (p @ V).view(B, H_q, T, D), V.abs().max().item()
 
 
 @pytest.mark.parametrize("key,value", KIVI_TILE_PAIRS)
-@pytest.mark.parametrize("D,gq", [(128, 4), (64, 3), (128, 8), (64, 6)])
-def test_decode_attention_fused_kivi_tiles(key, value, D, gq, monkeypatch):
+@pytest.mark.parametrize("D,gq,T", [(128, 4, 1), (64, 3, 1), (128, 8, 1), (64, 6, 1), (128, 2, 3), (64, 1, 5)])
+def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, monkeypatch):
     kw = _attn_operands(2, 2, D, S=3, mk=992, mv=1000, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
                         x_scale=False, seed=D + gq + key[0])  # fmt: skip
-    x = torch.randn((2, 2 * gq, 1, D), generator=_gen(12)) * D**-0.5
-    want, vmax = _kivi_tiles_expected(x, kw)
+    x = torch.randn((2, 2 * gq, T, D), generator=_gen(12)) * D**-0.5
+    N = 3 + 992 + 40
+    mask = None
+    if T > 1:  # a caller's mask (broadcast over the batch) with -inf entries and one finite score per row
+        g = _gen(13)
+        mask = torch.where(
+            torch.rand((1, 2 * gq, T, N), generator=g) < 0.2, float("-inf"), -torch.rand((1, 2 * gq, T, N), generator=g)
+        )
+        mask[..., 5] = 0.0
+    want, vmax = _kivi_tiles_expected(x, kw, mask)
     dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    for split_tokens in (0, 128):
-        y = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, attn_mask=None, split_tokens=split_tokens)
+    m = mask.to(DEV) if mask is not None else None
+    for split_tokens in (0, 128, 320):
+        y = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, attn_mask=m, split_tokens=split_tokens)
         err = (y.cpu().double() - want).abs().max().item()
         assert err <= 1e-4 * vmax + 1e-5, f"max err {err:.3g}"
-    # KVKERNELS_ATTENTION_STORE_TILES=0 (read per call): the general kernel alone, exact (the fp32 reference)
+    # KVKERNELS_ATTENTION_STORE_TILES=0 (read per call): the general kernel alone, exact (the fp32 reference); the
+    # fp16 rounding must show (4e-5 to 5e-4 here), or the tiles did not run
     monkeypatch.setenv("KVKERNELS_ATTENTION_STORE_TILES", "0")
-    _attn_check(x, kw)
+    y_general = _attn_check(x, kw, attn_mask=mask)
+    assert (y.cpu() - y_general.cpu()).abs().max().item() > 1e-6
 
 
 @pytest.mark.parametrize("split_tokens", [0, 64])

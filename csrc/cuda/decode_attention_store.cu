@@ -42,7 +42,7 @@ constexpr int kTile = 32;
 constexpr float kPScale = 16384.f;  // p * 2^14 in the B fragments (p <= 1: at most 2^14, far below fp16's max)
 constexpr int64_t kMinSplitTokens = 512;  // 2 steps per warp: the prologue and the merge stay small
 
-// Shared memory (floats, all parts 16-byte aligned): staged queries [QR][D]; sum of each 32-channel block of a staged row [QR][D / 32]; 2^-e per
+// The InnerQ tiles' shared memory (floats, all parts 16-byte aligned): staged queries [QR][D]; sum of each 32-channel block of a staged row [QR][D / 32]; 2^-e per
 // row [QR] (padded to 4); per warp the step's p * 2^14 [QR][TOK]; per warp its partial output [QR][D] and (m, l) [QR][2].
 // Tokens per warp step and resident CTAs (the register cap): a step of 64 halves the softmax, rescale and value
 // addressing per token; with 8 query rows at head_dim 128 it would need more than 255 registers. Head_dim 64 at 4 rows
@@ -592,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   LaneSel ksel, vsel;
 #pragma unroll
   for (int i = 0; i < 4; ++i) ksel.sel[i] = pair_sel(kslot.byte0 + i), vsel.sel[i] = pair_sel(vslot.byte0 + i);
-  ksel.hsel[0] = ksel.hsel[1] = vsel.hsel[0] = vsel.hsel[1] = 0u;  // no 3-bit stores here (kivi_tiles_supported)
+  ksel.hsel[0] = ksel.hsel[1] = vsel.hsel[0] = vsel.hsel[1] = 0u;  // no 3-bit stores here (kivi_kernel_for)
   const uint32_t* const kc_t = offset_rows(K.codes + b * K.c_sb + hk * K.c_sh + kslot.word, 4u * t, kcs);
   const uint16_t* const ks_t = offset_rows(K.scales + b * K.s_sb + hk * K.s_sh, 4u * t, kss);
   const uint16_t* const kz_t = offset_rows(K.zeros + b * K.z_sb + hk * K.z_sh, 4u * t, kzs);

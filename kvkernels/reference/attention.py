@@ -33,7 +33,9 @@ multiple of G) and N = S + min(mk + lk, mv + lv).
 This reference literally dequantizes both stores, concatenates the parts and runs one softmax. The fast kernels
 split the tokens into chunks (split_tokens per chunk; 0 lets them plan), compute each chunk's (max, sum, output)
 with an online softmax and merge the chunks by log-sum-exp, so they differ from this only in rounding order;
-split_tokens does not change the result, and the reference only validates it.
+split_tokens does not change the result, and the reference only validates it. One exception: the compiled CUDA op's
+KIVI tiles (KIVI's layouts and presets, from 256 store tokens of capacity) round each dequantized key and value of
+the tokens they run to fp16, as the composed KIVI GEMVs do (docs/FORMATS.md, "GEMV arithmetic").
 """
 
 import torch

@@ -1011,6 +1011,12 @@ void attn_cases() {
   { AttnCase a; a.kivi_tiles = true; a.D = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 256; a.mv = 256; a.ntk = 130; a.T = 2; a.H_q = 6; a.H_kv = 1;
     a.mask_kind = 1; a.xscale = true; attn_case(a); }                                                      // 2 row blocks
+  { AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 1; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 0; a.mk = 256; a.mv = 300; a.ntk = 50; a.H_q = 6; a.H_kv = 2;
+    a.mask_kind = 1; a.split_tokens = 128; attn_case(a); }                                                 // 1 bit, D 64
+  { AttnCase a; a.kivi_tiles = true; a.D = 128; a.G = 64; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 1; a.mk = 320; a.mv = 330; a.ntk = 20; a.H_q = 2; a.H_kv = 2;
+    a.dt = XDtype::kF32; attn_case(a); }                                                                   // 4 bit, 4 rows
   for (int64_t k : {0, 200}) {  // a NaN key group (channel 0): tokens k .. in the tiles, rows NaN
     AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 320; a.mv = 320; a.ntk = 4; a.H_q = 4; a.H_kv = 2;
