@@ -212,11 +212,11 @@ __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows,
 // q' = x * key_x_scale of the CTA's query rows r0 .. r0 + nr - 1 into qs [QR][D] (rows past nr: 0), each row scaled by
 // 2^e so that max |q'| lies in [2^14, 2^15); unscale_s [QR] gets 2^-e. One warp per row.
 template <int D, int QR>
-__device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, const StoreTilesLaunch& L, float* qs,
-                                              float* unscale_s, int64_t b, int64_t hk, int r0, int nr, int warp,
-                                              int lane) {
+__device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, const StoreTilesLaunch& L, const TileCta& c,
+                                              float* qs, float* unscale_s, int warp, int lane) {
   constexpr int NB = D / 32;
-  const int64_t T = p.T;
+  const int64_t T = p.T, b = c.b, hk = c.hk;
+  const int r0 = c.r0, nr = c.nr;
   for (int r = warp; r < QR; r += kWarps) {
     const int q = r0 + min(r, nr - 1);
     const int64_t h = hk * L.gq + q / T, tq = q % T;
@@ -225,9 +225,9 @@ __device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, co
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      const int c = lane + 32 * i;
+      const int ch = lane + 32 * i;
       v[i] = 0.f;
-      if (r < nr) v[i] = p.key_x_scale != nullptr ? __ldg(xr + c) * __ldg(p.key_x_scale + hk * p.xs_sh + c) : __ldg(xr + c);
+      if (r < nr) v[i] = p.key_x_scale != nullptr ? __ldg(xr + ch) * __ldg(p.key_x_scale + hk * p.xs_sh + ch) : __ldg(xr + ch);
       amax = nan_max(amax, fabsf(v[i]));
     }
     const int e = scale_exponent(warp_max(amax));
@@ -241,12 +241,11 @@ __device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, co
 // The CTA's warps' partials om [kWarps][QR][D] (p * 2^14-weighted sums) and ml [kWarps][QR][2] (running max, sum),
 // merged by log-sum-exp in warp order into the split's slot of the workspace (the caller has synchronized).
 template <int D, int QR>
-__device__ __forceinline__ void merge_warps(const DecodeAttentionParams& p, const StoreTilesLaunch& L, const float* om,
-                                            const float* ml, int split, int64_t b, int64_t hk, int r0, int nr,
-                                            int tid) {
+__device__ __forceinline__ void merge_warps(const DecodeAttentionParams& p, const StoreTilesLaunch& L, const TileCta& c,
+                                            const float* om, const float* ml, int tid) {
   const int64_t T = p.T;
-  for (int i = tid; i < nr * D; i += kThreads) {
-    const int r = i / D, c = i % D;
+  for (int i = tid; i < c.nr * D; i += kThreads) {
+    const int r = i / D, ch = i % D;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, ml[(w * QR + r) * 2]);  // a NaN warp keeps m NaN
@@ -256,14 +255,14 @@ __device__ __forceinline__ void merge_warps(const DecodeAttentionParams& p, cons
       const float mw = ml[(w * QR + r) * 2];
       if (mw == -INFINITY) continue;
       const float f = expf(mw - mx);
-      num = fmaf(f, om[(w * QR + r) * D + c], num);
+      num = fmaf(f, om[(w * QR + r) * D + ch], num);
       den = fmaf(f, ml[(w * QR + r) * 2 + 1], den);
     }
-    const int q = r0 + r;
-    const int64_t h = hk * L.gq + q / T, tq = q % T;
-    float* ws = partial_row(p, split, b, h, tq);
-    ws[c] = num * (1.f / kPScale);
-    if (c == 0) ws[D] = mx, ws[D + 1] = den;
+    const int q = c.r0 + r;
+    const int64_t h = c.hk * L.gq + q / T, tq = q % T;
+    float* ws = partial_row(p, c.split, c.b, h, tq);
+    ws[ch] = num * (1.f / kPScale);
+    if (ch == 0) ws[D] = mx, ws[D + 1] = den;
   }
 }
 
@@ -288,15 +287,15 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
-  const int split = c.split, r0 = c.r0, nr = c.nr;
+  const int r0 = c.r0, nr = c.nr;
 
-  stage_queries<D, QR>(p, L, qs, unscale_s, b, hk, r0, nr, warp, lane);
+  stage_queries<D, QR>(p, L, c, qs, unscale_s, warp, lane);
   __syncthreads();
   if constexpr (kKZero) {
     for (int i = tid; i < QR * NB; i += kThreads) {
       const float* blk = qs + (i / NB) * D + (i % NB) * 32;
       float s = 0.f;
-      for (int c = 0; c < 32; ++c) s += blk[c];
+      for (int k = 0; k < 32; ++k) s += blk[k];
       xsum_s[i] = s;
     }
     __syncthreads();
@@ -519,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
     if (g == 0) ml[(warp * QR + r) * 2] = rows.m_run[nt], ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt];
   }
   __syncthreads();
-  merge_warps<D, QR>(p, L, om, ml, split, b, hk, r0, nr, tid);
+  merge_warps<D, QR>(p, L, c, om, ml, tid);
 }
 
 // ---- KIVI layouts: keys "cols" (a channel's codes along tokens, groups of G tokens), values "rows" ----------------
@@ -561,11 +560,11 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
-  const int split = c.split, r0 = c.r0, nr = c.nr;
+  const int r0 = c.r0, nr = c.nr;
 
   // ---- queries, then the key MMAs' B fragments: lane (g, t) of k-step ks, n-tile nt: q'[4 nt + g / 2][16 ks + 4t ..
   // + 3], part g & 1 ----------------------------------------------------------------------------------------------
-  stage_queries<D, QR>(p, L, om, unscale_s, b, hk, r0, nr, warp, lane);
+  stage_queries<D, QR>(p, L, c, om, unscale_s, warp, lane);
   __syncthreads();
   for (int i = tid; i < NT * KS * 32; i += kThreads) {
     const int ln = i % 32, ks = (i / 32) % KS, nt = i / (32 * KS);
@@ -665,7 +664,7 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
 #pragma unroll
       for (int i = 0; i < VCPL / 2; ++i)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) o[i][nt][c] *= alpha;
+        for (int k = 0; k < 4; ++k) o[i][nt][k] *= alpha;
     }
     __syncwarp();
     // B fragments of p: lane (g, t) of k-step vs takes row 4 nt + g / 2, tokens 16 vs + 4t .. + 3, part g & 1
@@ -708,7 +707,7 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
     if (g == 0) ml[(warp * QR + r) * 2] = rows.m_run[nt], ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt];
   }
   __syncthreads();
-  merge_warps<D, QR>(p, L, om, ml, split, b, hk, r0, nr, tid);
+  merge_warps<D, QR>(p, L, c, om, ml, tid);
 }
 
 // ---- instantiations: the InnerQ presets' (key bits, mode, value bits, mode) --------------------------------------
@@ -761,6 +760,9 @@ StoreKernel kivi_kernel_for(int bits) {
   }
 }
 
+bool innerq_layouts(const DecodeAttentionParams& p) {
+  return p.keys.layout == StoreLayout::kRows && p.values.layout == StoreLayout::kCols;
+}
 bool kivi_layouts(const DecodeAttentionParams& p) {
   return p.keys.layout == StoreLayout::kCols && p.values.layout == StoreLayout::kRows;
 }
@@ -787,8 +789,7 @@ int smem_bytes(const DecodeAttentionParams& p, int nt) {
 }  // namespace
 
 bool store_tiles_supported(const DecodeAttentionParams& p) {
-  const bool innerq = p.keys.layout == StoreLayout::kRows && p.values.layout == StoreLayout::kCols;
-  if (!innerq && !kivi_layouts(p)) return false;
+  if (!innerq_layouts(p) && !kivi_layouts(p)) return false;
   if ((p.D != 64 && p.D != 128) || store_kernel(p, 1) == nullptr) return false;
   if (p.group_size <= 0 || p.group_size > p.D || p.D % p.group_size != 0 || p.group_size % 32 != 0) return false;
   if (kivi_layouts(p) && (p.keys.zeros == nullptr || p.values.zeros == nullptr)) return false;
@@ -799,7 +800,7 @@ bool store_tiles_supported(const DecodeAttentionParams& p) {
     if (!fits(rows, st->c_sr, 4) || !fits(rows, st->s_sr, 2) || (st->zeros != nullptr && !fits(rows, st->z_sr, 2)))
       return false;
   }
-  if (innerq && p.keys.bits == 3) {  // whole key rows with 8-byte loads
+  if (innerq_layouts(p) && p.keys.bits == 3) {  // whole key rows with 8-byte loads
     const uint64_t addr = reinterpret_cast<uint64_t>(p.keys.codes);
     if (addr % 8 != 0 || p.keys.c_sb % 2 != 0 || p.keys.c_sh % 2 != 0 || p.keys.c_sr % 2 != 0) return false;
   }
@@ -817,10 +818,13 @@ bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesL
   while ((32 << shift) < p.group_size) ++shift;
   L.k_group_shift = shift;
   L.v_bpg_magic = block_group_magic(p.group_size / 32);
-  L.dec_k = decode_consts_for(p.keys.bits, p.keys.mode);
-  L.dec_v = decode_consts_for(p.values.bits, p.values.mode);
-  L.kivi_k = kivi_consts(p.keys.bits);
-  L.kivi_v = kivi_consts(p.values.bits);
+  if (kivi_layouts(p)) {  // each kernel reads its own decoders' constants
+    L.kivi_k = kivi_consts(p.keys.bits);
+    L.kivi_v = kivi_consts(p.values.bits);
+  } else {
+    L.dec_k = decode_consts_for(p.keys.bits, p.keys.mode);
+    L.dec_v = decode_consts_for(p.values.bits, p.values.mode);
+  }
   const int64_t ctas = p.B * p.H_kv * L.row_blocks;
   int64_t C = p.split_tokens;
   if (C == 0)

@@ -8,6 +8,7 @@
 // Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K`; exits 1 on a failure.
 #include "emu.h"
 #include "cuda/kernels.h"
+#include "cuda/decode_attention.h"
 #include "kvkernels/packing.cuh"
 #include "kvkernels/mma.cuh"
 #include "kvkernels/lattice.cuh"
@@ -836,7 +837,7 @@ void attn_case(const AttnCase& a) {
             k = sk.exact[1 + b * sk.w.sb + hk * sk.w.sh + j * sk.w.st + c];
             v = sv.exact[1 + b * sv.w.sb + hk * sv.w.sh + j * sv.w.st + c];
           } else {
-            const bool tile = a.kivi_tiles && j - S < std::min(a.mk, a.mv) / 64 * 64;  // store_tile_tokens
+            const bool tile = a.kivi_tiles && j - S < store_tile_tokens(a.mk, a.mv);
             if (j < S + a.mk) k = store_value(ks_used, G, b, hk, j - S, c, tile) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
             else k = tk.exact[1 + b * tk.w.sb + hk * tk.w.sh + (j - S - a.mk) * tk.w.st + c];
             if (j < S + a.mv) v = store_value(vs_used, G, b, hk, j - S, c, tile);
