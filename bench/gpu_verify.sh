@@ -311,13 +311,14 @@ if want planner; then
   # the stage gets what the budget has left
   # lattice2 rides along in noring / current / hd64-*: KVKERNELS_GEMV_RING=0 also turns off the lattice keys' ring
   # (2026-11-27; its values' k-step batches have no switch)
-  # triton: the Triton GEMVs' tiles of 2026-11-27 (whole rows a thread, stacked value tiles) against the first run's
-  # Triton rows (bench/RESULTS.md: innerq-base 0.64x fp16 at 128k), fp16 measured in the same run
+  # triton: the Triton GEMVs' tiles of 2026-11-27 (whole rows a thread, stacked value tiles; KIVI dequantized to fp16
+  # in registers) against the first run's Triton rows (bench/RESULTS.md: innerq-base 0.64x, kivi2 0.70x fp16 at
+  # 128k), fp16 measured in the same run
   for which in noring current hd64-noring hd64-onetile hd64-current triton v1; do
     backend=cuda
     case $which in
       hd64-*) T=$(slot 40 40) grid=(--model llama-3.2-1b --seqlens 4096 32768 --methods innerq-base kivi2 lattice2) ;;
-      triton) T=$(slot 50 40) backend=triton grid=(--seqlens 4096 32768 131072 --methods innerq-base innerq-asym4) ;;
+      triton) T=$(slot 50 40) backend=triton grid=(--seqlens 4096 32768 131072 --methods innerq-base innerq-asym4 kivi2) ;;
       *) T=$(slot 70 40) grid=(--seqlens 1024 4096 16384 65536 --methods innerq-base innerq-small kivi2 lattice2) ;;
     esac
     KVKERNELS_GEMV_PLANNER=$([ $which = v1 ] && echo v1) \

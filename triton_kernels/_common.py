@@ -353,6 +353,55 @@ def _pair_tree(a, bc, w2, J0: tl.constexpr, STRIDE: tl.constexpr, N: tl.constexp
 
 
 @triton.jit
+def _sign_bytes(x, SEL: tl.constexpr):
+    """prmt.b32 with selector SEL (0xAA88 or 0xBB99) on x alone: each result byte is the sign bit of the byte its
+    nibble picks, replicated (a nibble's bit 3 asks for the sign; PTX ISA, prmt)."""
+    if SEL == 0xAA88:
+        r = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0xAA88;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        tl.static_assert(SEL == 0xBB99)
+        r = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0xBB99;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    return r
+
+
+@triton.jit
+def _select_leaf(w, lo_bits, hi_bits, J: tl.constexpr):
+    """Pair J of a 1-bit word (values J, J + 16): shifted so their bits are the sign bits of bytes 0 / 2 (J < 8) or
+    1 / 3, each spread over its 16-bit half by one byte permute, then a 3-input select: hi_bits where set."""
+    if J < 8:
+        m = _sign_bytes(w << (7 - J), 0xAA88)
+    else:
+        m = _sign_bytes(w << (15 - J), 0xBB99)
+    return (lo_bits & ~m) | (hi_bits & m)
+
+
+@triton.jit
+def _select_tree(w, lo_bits, hi_bits, J0: tl.constexpr, STRIDE: tl.constexpr, N: tl.constexpr):
+    """The N pairs J0 + STRIDE * i (i < N) joined as _pair_tree joins them: the order pair_perm gives."""
+    if N == 1:
+        r = _select_leaf(w, lo_bits, hi_bits, J0)
+    else:
+        r = tl.join(
+            _select_tree(w, lo_bits, hi_bits, J0, STRIDE * 2, N // 2),
+            _select_tree(w, lo_bits, hi_bits, J0 + STRIDE, STRIDE * 2, N // 2),
+        )
+    return r
+
+
+@triton.jit
+def select_pairs_1bit(w, lo_bits, hi_bits):
+    """Every pair of values of 1-bit words w (int32, any shape S) as 32-bit words [*S, 2, 2, 2, 2] in pair_perm order:
+    each 16-bit half is lo_bits' or hi_bits' half as the value's code is 0 or 1 (pair j: values j and j + 16).
+
+    Per two values a byte permute and a LOP3, and a shift per two pairs (pairs j and j + 8 share it): the shift puts
+    the pair's code bits at bit 7 of bytes 0 and 2 (j < 8) or 1 and 3, and prmt's sign-replicating selector spreads
+    each over its 16-bit half, the select mask. No arithmetic: the 16-bit patterns are whatever the caller makes them
+    (exact integers, dequantized values). Inline PTX: not under TRITON_INTERPRET=1 (callers take another path there).
+    """
+    return _select_tree(w, lo_bits, hi_bits, 0, 1, 16)
+
+
+@triton.jit
 def pair_perm(k, BITS: tl.constexpr):
     """Value index (within the tile) of position k of unpack_pairs' output: positions 2j, 2j + 1 of a word's (b = 3:
     a block's) stretch hold values j and j + HALF, HALF = half the values per word (16 for b = 3)."""
@@ -364,7 +413,8 @@ def pair_perm(k, BITS: tl.constexpr):
 def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.constexpr, BK: tl.constexpr,
                  DOT16: tl.constexpr, EMU: tl.constexpr):  # fmt: skip
     """Codes of BK values of each row (as unpack_tile) -> exact (u - OFFSET) in fp16 / bf16 [R, BK], in the order
-    pair_perm gives (the reduction's order is free: the caller permutes the other operand to match).
+    pair_perm gives (the reduction's order is free: the caller permutes the other operand to match). mask None: every
+    row and word exists (no predicates; n_words is ignored).
 
     Two values per 32-bit operation, as csrc/kvkernels/mma.cuh decodes them: a shift and a mask put values j and
     j + HALF of a word at bits 0 and 16, OR-ed over the magic pair (fp16 1024 / bf16 128 in each half); the halves
@@ -380,10 +430,15 @@ def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.
         NB: tl.constexpr = BK // 32
         nb = tl.arange(0, NB)
         base = row_ptrs[:, None] + word0 + nb[None, :] * 3  # [R, NB]
-        ok = mask[:, None] & (nb * 3 < n_words)[None, :]
-        w0 = tl.load(base, mask=ok, other=0)
-        w1 = tl.load(base + 1, mask=ok, other=0)
-        w2 = tl.load(base + 2, mask=ok, other=0)
+        if mask is None:
+            w0 = tl.load(base)
+            w1 = tl.load(base + 1)
+            w2 = tl.load(base + 2)
+        else:
+            ok = mask[:, None] & (nb * 3 < n_words)[None, :]
+            w0 = tl.load(base, mask=ok, other=0)
+            w1 = tl.load(base + 1, mask=ok, other=0)
+            w2 = tl.load(base + 2, mask=ok, other=0)
         a = (w0 & 0xFFFF) | (w1 << 16)
         bc = ((w0 >> 16) & 0xFFFF) | (w1 & -65536)
         p = _pair_tree(a, bc, w2, 0, 1, 16, 3, MAGIC2)  # [R, NB, 2 x4]
@@ -391,7 +446,18 @@ def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.
         PER: tl.constexpr = 32 // BITS
         W: tl.constexpr = BK // PER
         wi = tl.arange(0, W)
-        w = tl.load(row_ptrs[:, None] + word0 + wi[None, :], mask=mask[:, None] & (wi < n_words)[None, :], other=0)
+        if mask is None:
+            w = tl.load(row_ptrs[:, None] + word0 + wi[None, :])
+        else:
+            w = tl.load(row_ptrs[:, None] + word0 + wi[None, :], mask=mask[:, None] & (wi < n_words)[None, :], other=0)
+        if BITS == 1 and not EMU:
+            # 1 bit: each value is -OFFSET or 1 - OFFSET, a select between two constant 16-bit patterns
+            ONE: tl.constexpr = 0x3C00 if DOT16 == 0 else 0x3F80  # 1.0
+            LO: tl.constexpr = (ONE | 0x8000) if OFFSET == 1 else 0  # -OFFSET (OFFSET is 0 or 1 at 1 bit)
+            HI: tl.constexpr = 0 if OFFSET == 1 else ONE  # 1 - OFFSET
+            p = select_pairs_1bit(w, LO * 0x10001, HI * 0x10001)
+            v = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (R, BK))
+            return v.to(tl.float16 if DOT16 == 0 else tl.bfloat16, bitcast=True)
         p = _pair_tree(w, w, w, 0, 1, PER // 2, BITS, MAGIC2)
     lo = p.to(tl.int16)
     hi = (p >> 16).to(tl.int16)

@@ -1,21 +1,26 @@
 """KIVI-layout fused dequant-GEMV in Triton, on tensor cores: reduction over rows R, asym groups along the columns C.
 
-    y[b, h, t, c] = sum_r x[b, h, t, r] * (s[r, g] * u[r, c] + z[r, g]),   g = c // G,  h_kv = h // (H_q/H_kv)
-                  = sum_r (x[r] * s[r, g]) * u[r, c]  +  sum_r x[r] * z[r, g]
+    y[b, h, t, c] = sum_r x[b, h, t, r] * fp16(s[r, g] * u[r, c] + z[r, g]),   g = c // G,  h_kv = h // (H_q/H_kv)
 
-The scale varies along the reduction, so it goes onto the activations: xs[g, r, q] = x[q, r] * s[r, g] (fp32, once per
-row and 32-column block), split exactly into three bf16 parts (_common.split_dot), and the codes are exact bf16
-integers: a batched tensor-core dot [NCB, 32 columns, BLOCK_R] x [NCB, BLOCK_R, QP] per part, fp32 accumulation.
-The zero term sum_r x z is accumulated elementwise in fp32 ([NCB, BLOCK_R, QP], no reduction in the loop) and
-reduced once after it.
+The arithmetic of the CUDA gemv_kivi (docs/FORMATS.md, "GEMV arithmetic"): the scale and zero vary along the
+reduction, so each code is dequantized to fp16 in registers (one packed fma.rn.f16x2 per two values: the one rounding
+of the contract; 1 bit selects between the group's two dequantized values instead), and the tile [BLOCK_R rows,
+BLOCK_C columns] meets the activations on tensor cores with the columns as the MMA's M and the query rows as its N.
+fp16 activations enter as they are; fp32 / bf16 ones are scaled per query row and chunk by a power of two so the
+chunk's largest |x| lies in [2^14, 2^15), split into fp16 hi + lo (two dots), and the chunk's fp32 sum is scaled back
+(exact). Accumulation is fp32.
+
+A thread holds whole rows of the tile (the default: 128 rows on 4 warps, 128 columns): it loads a row's code words
+once, decodes and dequantizes them two values per operation and writes the MMA operand with wide stores; the query
+rows' split and the MMA round trips are paid once per chunk for all 128 columns.
 
 Grid: (cdiv(C / 32, NCB), B * H_kv, splits). A program owns NCB 32-column blocks (BLOCK_C = 32 NCB columns) of one KV
 head and serves all H_q/H_kv query heads times T query rows (flattened to Q, padded to the power of two QP >= 8,
-masked: the N side of the MMA). It walks its share of R in chunks of BLOCK_R rows. BLOCK_R, num_warps and
-num_stages are autotuned (_CONFIGS) per (bits, R bucket, query rows). R is the long dim of the value GEMV
-(R = tokens, C = head_dim), so when B * H_kv * cdiv(C / 32, NCB) programs are too few, R is split across `splits`
-programs writing fp32 partials [splits, B, H_q, T, C], summed afterwards in a fixed order (deterministic; the split
-is planned with _SPLIT_BLOCK_R rows whatever config the autotuner picks).
+masked: the N side of the MMA). It walks its share of R in chunks of BLOCK_R rows: whole chunks without predicates,
+the last partial one with them. BLOCK_R, num_warps and num_stages are autotuned (_CONFIGS) per (bits, R bucket, query
+rows). R is the long dim of the value GEMV (R = tokens, C = head_dim), so when B * H_kv * cdiv(C / 32, NCB) programs
+are too few, R is split across `splits` programs writing fp32 partials [splits, B, H_q, T, C], summed afterwards in a
+fixed order (deterministic; the split is planned with _SPLIT_BLOCK_R rows whatever config the autotuner picks).
 """
 
 import torch
@@ -35,22 +40,69 @@ from ._common import (
     num_splits,
     pair_perm,
     query_t_chunk,
-    split_dot,
+    select_pairs_1bit,
     unpack_pairs,
 )
 
-# Autotune configs (BLOCK_R rows per iteration = the MMA's K, num_warps, num_stages): 64 rows x 4 warps is the
-# default and the only config under TRITON_INTERPRET=1; 32 rows halves the per-iteration registers (more programs
-# resident), 128 rows x 8 warps halves the loop overhead per byte on long reductions. 16 rows (the MMA's smallest K)
-# is the only one tried at 64 query rows (q_len 16 x GQA 4): there every other config spills under triton 3.6, the
-# GPU machines' version (24-536 B of local memory; tests/triton_aot/compile_check.py run with triton 3.6).
+# Autotune configs (BLOCK_R rows per iteration = the MMA's K, num_warps, num_stages). 128 rows x 4 warps is the
+# default and the only config under TRITON_INTERPRET=1: one whole row of codes per thread (bench/README.md, "Triton
+# roofline"). 64 and 32 rows give more programs and pipeline stages where a GPU is latency-bound; 16 rows (the MMA's
+# smallest K) is the only one tried at 64 query rows (q_len 16 x GQA 4), where the [BLOCK_C, 64] accumulator and
+# the [BLOCK_R, 64] activation parts leave no room for more.
 _CONFIGS = [
+    triton.Config({"BLOCK_R": 128}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_R": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_R": 32}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_R": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_R": 16}, num_warps=4, num_stages=3),
 ]
 _SPLIT_BLOCK_R = 128  # rows the split of R is planned in (a multiple of every config's BLOCK_R)
+
+
+@triton.jit
+def _dequant_fp16(u, s, z, EMU: tl.constexpr):
+    """fp16(s * u + z), rounded once: one packed fma.rn.f16x2 per two values (u exact fp16 integers, s / z the fp16
+    scale and zero broadcast to u's shape). EMU (the interpreter): fp32 then fp16. s * u is exact in fp32 (an 11-bit
+    times a 4-bit significand), and so is adding z unless the terms are over 2^9 apart in magnitude; then the smaller
+    is far under half an fp16 ulp of the larger and both roundings agree, but for exact fp16 ties (|z| < 2^-24 |su|)."""
+    if EMU:
+        r = (u.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(tl.float16).to(tl.float32)
+    else:
+        r = tl.inline_asm_elementwise(
+            "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [u, s, z], dtype=tl.float16, is_pure=True, pack=2
+        )
+    return r
+
+
+@triton.jit
+def _dequant_1bit(w, s, z):
+    """1-bit codes w (int32 [R, NCB], one word per 32-column block) -> fp16(s u + z) [R, 32 NCB] in pair_perm order.
+
+    A 1-bit value has two dequantized values, fp16(s * 0 + z) and fp16(s * 1 + z) (computed per group; NaN / inf
+    scales propagate as in the FMA), so each pair of values is a select between the two: a shift, a byte permute
+    and a LOP3 per two values, no arithmetic. s, z: fp16 [R, NCB], the scale and zero of each word's group."""
+    R: tl.constexpr = w.shape[0]
+    NCB: tl.constexpr = w.shape[1]
+    sf = s.to(tl.float32)
+    zf = z.to(tl.float32)
+    # fp32 sums of two fp16 values round to the same fp16 as one fp16 rounding (exact unless the smaller is below
+    # 2^-13 of the larger, far under half an fp16 ulp)
+    lo16 = (sf * 0.0 + zf).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi16 = (sf + zf).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    p = select_pairs_1bit(w, lo16 | (lo16 << 16), hi16 | (hi16 << 16))  # [R, NCB, 2 x4]
+    v = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (R, NCB * 32))
+    return v.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pow2_scales(xv):
+    """Per column q of xv [K, QP] (fp32): (up, down), powers of two with max_k |xv[k, q]| * up in [2^14, 2^15) and
+    up * down == 1, from the max's exponent field (clamped so both stay normal fp32; an all-zero column gets 2^126)."""
+    m = tl.max(tl.abs(xv), axis=0)
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, 15), 254)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+    down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
+    return up, down
 
 
 @triton.jit
@@ -91,6 +143,8 @@ def _gemv_kivi_kernel(
     GROUP: tl.constexpr,
     QP: tl.constexpr,  # max(8, next_pow2(Q)): the MMA's N
     NCB: tl.constexpr,  # 32-column blocks per program
+    XPARTS: tl.constexpr,  # 1: x is fp16, one dot; 2: x (fp32 / bf16) scaled and split into fp16 hi + lo
+    EVEN_C: tl.constexpr,  # n_cblocks % NCB == 0: every program's column blocks exist
     EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
     BLOCK_R: tl.constexpr,
 ):
@@ -98,73 +152,123 @@ def _gemv_kivi_kernel(
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b, h_kv, h_q, t, q_ok = gqa_query_rows(pid_bh, H_kv, Q, T, 0, QP)
-    x_row = b * sx_b + h_q * sx_h + t * sx_t  # [QP] int64
     BLOCK_C: tl.constexpr = NCB * 32
 
     cb = pid_c * NCB + tl.arange(0, NCB)
     cb_ok = cb < n_cblocks
     g = (cb * 32) // GROUP  # [NCB] group of each column block
-    c_base = codes_ptr + b * sc_b + h_kv * sc_h
-    s_base = b * ss_b + h_kv * ss_h
-    z_base = b * sz_b + h_kv * sz_h
     word0 = pid_c * (BLOCK_C // 32 * BITS)
+    n_words = (n_cblocks - pid_c * NCB) * BITS  # words of the row from word0 on (the rest read as 0)
 
-    acc = tl.zeros((NCB, 32, QP), dtype=tl.float32)
-    # the zero term: accumulated elementwise and reduced once after the loop while that tile is small (<= 32 fp32
-    # per thread at 4 warps), else reduced over the chunk's rows in the loop (many query rows)
-    ZELEM: tl.constexpr = NCB * BLOCK_R * QP <= 4096
-    if ZELEM:
-        zacc = tl.zeros((NCB, BLOCK_R, QP), dtype=tl.float32)
-    else:
-        zacc = tl.zeros((NCB, QP), dtype=tl.float32)
+    # pointers of the split's first chunk of rows, advanced by a chunk per iteration
     r_lo = pid_s * rows_per_split
     r_hi = tl.minimum(r_lo + rows_per_split, R)
-    for r0 in range(r_lo, r_hi, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < r_hi
-        r64 = r.to(tl.int64)
-        xv = tl.load(x_ptr + x_row[None, :] + r64[:, None], mask=r_ok[:, None] & q_ok[None, :], other=0.0)
-        xv = xv.to(tl.float32)  # [BLOCK_R, QP]
+    r = r_lo + tl.arange(0, BLOCK_R)
+    r64 = r.to(tl.int64)
+    c_rows = codes_ptr + b * sc_b + h_kv * sc_h + r64 * sc_r  # [BLOCK_R]
+    s_ptrs = scales_ptr + b * ss_b + h_kv * ss_h + r64[:, None] * ss_r + g[None, :]  # [BLOCK_R, NCB]
+    z_ptrs = zeros_ptr + b * sz_b + h_kv * sz_h + r64[:, None] * sz_r + g[None, :]
+    x_ptrs = x_ptr + (b * sx_b + h_q * sx_h + t * sx_t)[None, :] + r64[:, None]  # [BLOCK_R, QP]
 
-        w_mask = r_ok[:, None] & cb_ok[None, :]
-        s = tl.load(scales_ptr + s_base + r64[:, None] * ss_r + g[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        z = tl.load(zeros_ptr + z_base + r64[:, None] * sz_r + g[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        s = tl.trans(s)  # [NCB, BLOCK_R]
-        z = tl.trans(z)
+    acc = tl.zeros((BLOCK_C, QP), dtype=tl.float32)
+    # whole chunks without row predicates (and, when every program's columns exist, without any); the last, partial
+    # chunk of the split with them
+    r_full = r_lo + (r_hi - r_lo) // BLOCK_R * BLOCK_R
+    for _ in range(r_lo, r_full, BLOCK_R):
+        acc = _kivi_chunk(acc, c_rows, s_ptrs, z_ptrs, x_ptrs, r, r_hi, cb_ok, q_ok, word0, n_words,
+                          BITS, XPARTS, EMU, False, EVEN_C)  # fmt: skip
+        c_rows += BLOCK_R * sc_r
+        s_ptrs += BLOCK_R * ss_r
+        z_ptrs += BLOCK_R * sz_r
+        x_ptrs += BLOCK_R
+        r += BLOCK_R
+    if r_full < r_hi:
+        acc = _kivi_chunk(acc, c_rows, s_ptrs, z_ptrs, x_ptrs, r, r_hi, cb_ok, q_ok, word0, n_words,
+                          BITS, XPARTS, EMU, True, False)  # fmt: skip
 
-        # codes of the program's columns (a masked-off row or column block reads as 0: its scale is 0 too)
-        # codes of the program's columns, exact bf16, columns in pair_perm order within each 32-column block (a
-        # masked-off row or column block reads as 0; its scale is 0 too)
-        u = unpack_pairs(c_base + r64 * sc_r, word0, r_ok, (n_cblocks - pid_c * NCB) * BITS, 0, BITS, BLOCK_C, 1, EMU)
-        ua = tl.permute(tl.reshape(u, (BLOCK_R, NCB, 32)), (1, 2, 0))  # [NCB, 32, BLOCK_R]
-
-        xs = s[:, :, None] * xv[None, :, :]  # [NCB, BLOCK_R, QP]: x * s, one product per row and column block
-        acc = split_dot(ua, xs, acc, 3, 1, EMU)
-        if ZELEM:
-            zacc += z[:, :, None] * xv[None, :, :]
-        else:
-            zacc += tl.sum(z[:, :, None] * xv[None, :, :], axis=1)
-
-    if ZELEM:
-        zsum = tl.sum(zacc, axis=1)  # [NCB, QP], once per program
-    else:
-        zsum = zacc
-    out = acc + zsum[:, None, :]  # [NCB, 32, QP]
-    i = pair_perm(tl.arange(0, 32), BITS)  # the column each row of a block's accumulator holds
+    i = pair_perm(tl.arange(0, BLOCK_C), BITS)  # the column (within the program's block) each accumulator row holds
     y_row = pid_s.to(tl.int64) * sy_s + b * sy_b + h_q * sy_h + t * sy_t
-    col = cb[:, None] * 32 + i[None, :]  # [NCB, 32]
-    mask = cb_ok[:, None, None] & (i >= 0)[None, :, None] & q_ok[None, None, :]
-    tl.store(y_ptr + y_row[None, None, :] + col[:, :, None], out, mask=mask)
+    col = pid_c * BLOCK_C + i
+    mask = (col < n_cblocks * 32)[:, None] & q_ok[None, :]
+    tl.store(y_ptr + y_row[None, :] + col[:, None], acc, mask=mask)
+
+
+@triton.jit
+def _kivi_chunk(acc, c_rows, s_ptrs, z_ptrs, x_ptrs, r, r_hi, cb_ok, q_ok, word0, n_words,
+                BITS: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr, ROW_MASK: tl.constexpr,
+                EVEN_C: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_C, QP] + the chunk's rows: acc[c, q] += sum_r fp16(s u + z)[r, c] * x[r, q] (module docstring).
+
+    ROW_MASK: rows r >= r_hi read as 0 (the split's last, partial chunk); EVEN_C: every column block of the program
+    exists. Without either, no load is predicated but the query rows' (q_ok, when Q < QP)."""
+    BLOCK_R: tl.constexpr = c_rows.shape[0]
+    NCB: tl.constexpr = s_ptrs.shape[1]
+    BLOCK_C: tl.constexpr = NCB * 32
+    if ROW_MASK or not EVEN_C:
+        r_ok = r < r_hi
+        w_mask = r_ok[:, None] & cb_ok[None, :]
+        s = tl.load(s_ptrs, mask=w_mask, other=0.0)  # [BLOCK_R, NCB]
+        z = tl.load(z_ptrs, mask=w_mask, other=0.0)
+        # a masked-off row or column block reads as codes 0, and its scale and zero as 0
+        if BITS == 1 and not EMU:
+            wi = tl.arange(0, NCB)
+            w = tl.load(c_rows[:, None] + word0 + wi[None, :], mask=r_ok[:, None] & (wi < n_words)[None, :], other=0)
+        else:
+            u = unpack_pairs(c_rows, word0, r_ok, n_words, 0, BITS, BLOCK_C, 0, EMU)
+        xv = tl.load(x_ptrs, mask=r_ok[:, None] & q_ok[None, :], other=0.0)
+    else:
+        s = tl.load(s_ptrs)
+        z = tl.load(z_ptrs)
+        if BITS == 1 and not EMU:
+            w = tl.load(c_rows[:, None] + word0 + tl.arange(0, NCB)[None, :])
+        else:
+            u = unpack_pairs(c_rows, word0, None, n_words, 0, BITS, BLOCK_C, 0, EMU)
+        xv = tl.load(x_ptrs, mask=q_ok[None, :], other=0.0)
+
+    # the codes dequantized to fp16, columns in pair_perm order within each 32-column block (a 32-column block lies
+    # in one group: G is a multiple of 32, so the order within it does not matter)
+    if BITS == 1 and not EMU:
+        deq = _dequant_1bit(w, s, z)
+    else:
+        shape: tl.constexpr = (BLOCK_R, NCB, 32)
+        u = tl.reshape(u, shape)
+        deq = _dequant_fp16(u, tl.broadcast_to(s[:, :, None], shape), tl.broadcast_to(z[:, :, None], shape), EMU)
+    a = tl.trans(tl.reshape(deq, (BLOCK_R, BLOCK_C)))  # [BLOCK_C, BLOCK_R]: the MMA's M is the columns
+
+    if XPARTS == 1:  # fp16 activations: exact as they are
+        if EMU:
+            acc = tl.dot(a, xv.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, xv, acc)
+    else:
+        # scaled per query row and chunk so the chunk's largest |x| is in [2^14, 2^15), split into fp16 hi + lo
+        # (22 significant bits; exact powers of two, undone on the chunk's fp32 sum)
+        xv = xv.to(tl.float32)
+        up, down = _pow2_scales(xv)
+        xs = xv * up[None, :]
+        hi = xs.to(tl.float16)
+        lo = (xs - hi.to(tl.float32)).to(tl.float16)
+        if EMU:
+            part = tl.dot(a, hi.to(tl.float32), input_precision="ieee")
+            part = tl.dot(a, lo.to(tl.float32), part, input_precision="ieee")
+        else:
+            part = tl.dot(a, hi)
+            part = tl.dot(a, lo, part)
+        acc += part * down[None, :]
+    return acc
 
 
 def _prune(configs, named_args, **kwargs):
-    """The [BLOCK_R, QP] activations in three parts must fit the registers: at 32 query rows the 128-row chunk spills;
-    64 query rows take the 16-row chunk alone (below 64 it only adds a config to try: left out)."""
+    """64 query rows take the 16-row chunk alone; 32 query rows, and 3 bits (no KIVI preset; its decode holds three
+    words per block: 32 B of spills under triton 3.6 at fp16 activations), leave out the 128-row chunk (the
+    accumulator and the activation parts grow with the query rows); otherwise every config but the 16-row one."""
     qp = kwargs.get("QP", named_args.get("QP", 8))
+    bits = kwargs.get("BITS", named_args.get("BITS", 2))
     if qp >= 64:
         keep = [c for c in configs if c.kwargs["BLOCK_R"] == 16]
     else:
-        keep = [c for c in configs if c.kwargs["BLOCK_R"] != 16 and (qp < 32 or c.kwargs["BLOCK_R"] < 128)]
+        big_ok = qp < 32 and bits != 3
+        keep = [c for c in configs if c.kwargs["BLOCK_R"] != 16 and (big_ok or c.kwargs["BLOCK_R"] < 128)]
     return keep or configs[:1]
 
 
@@ -198,7 +302,7 @@ def gemv_kivi(
     Q = (H_q // H_kv) * T
     qp = max(8, next_pow2(Q))
     n_cblocks = C // 32
-    ncb = min(4, next_pow2(n_cblocks), max(1, 64 // qp))  # the [NCB, BLOCK_R, QP] activations tile fits registers
+    ncb = min(4, next_pow2(n_cblocks))
     base = triton.cdiv(n_cblocks, ncb) * B * H_kv
     n_iters = triton.cdiv(R, _SPLIT_BLOCK_R)
     splits = num_splits(base, n_iters, x.device)
@@ -211,7 +315,8 @@ def gemv_kivi(
             x4, codes, scales, zeros, y,
             H_kv, T, Q, n_cblocks, rows_per_split, R, bucket(R),
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *zeros.stride()[:3], *y.stride()[:4],
-            BITS=bits, GROUP=group_size, QP=qp, NCB=ncb, EMU=EMULATE_DOT,
+            BITS=bits, GROUP=group_size, QP=qp, NCB=ncb, XPARTS=1 if x.dtype == torch.float16 else 2,
+            EVEN_C=n_cblocks % ncb == 0, EMU=EMULATE_DOT,
         )  # fmt: skip
     y = y[0] if splits == 1 else y.sum(0)  # fixed-order sum: deterministic
     return y if has_t else y.squeeze(2)
