@@ -2,7 +2,7 @@
 in the same run.
 
     python bench/attention_step.py [--device cpu|cuda] [--tokens 1024 4096 ...] [--batch 1 8] [--presets ...]
-                                   [--q-len 1] [--no-steps] [--json out.json]
+                                   [--q-len 1] [--no-steps | --steps-tokens 32768 ...] [--json out.json]
 
 Shape: Llama-3.1-8B's attention layer (32 query heads on 8 KV heads, head_dim 128), a cache prefilled with N random
 tokens (the quantized formats' windows as their presets set them). Rows per (preset, batch, N):
@@ -19,6 +19,10 @@ Whole decode steps (append one token + attention, the cache advancing every step
 (wall clock over STEP_COUNT consecutive steps, synchronized at the end, so host work counts):
   dynamic step   QuantizedLayerCache.append + decode_attention as generate() runs them (host decisions, new shapes)
   static step    kvkernels.StaticLayerCache: the step captured once in a CUDA graph and replayed (CPU: run eagerly)
+  compiled static step   (CUDA; the first step row of each preset) the static step through
+                 torch.compile(fullgraph=True), captured the same way: the eager static append is ~70-80 small device
+                 ops (tests/test_static_cache.py counts them), and Inductor fuses its index arithmetic, where()s and
+                 copies into ~15 kernels (counted on CPU)
 "static / dynamic" < 1 means the graph-captured step is faster. The static step's attention is the fused op's
 device-lengths form (grid planned for the capacity, only the used tokens read); on CPU it is the PyTorch reference,
 which dequantizes the whole capacity.
@@ -89,8 +93,11 @@ def _time_steps(step, device) -> float:
     return (time.perf_counter() - t0) / STEP_COUNT * 1e6
 
 
-def step_rows(preset: str, batch: int, n: int, q, device) -> tuple[float, float, float]:
-    """(dynamic us, static us, max |static - dynamic|) per decode step at n cached tokens (module docstring)."""
+def step_rows(
+    preset: str, batch: int, n: int, q, device, compile_step: bool
+) -> tuple[float, float, float | None, float]:
+    """(dynamic us, static us, compiled static us or None, max |static - dynamic|) per decode step at n cached tokens
+    (module docstring). The compiled row runs only with compile_step on CUDA (each call compiles anew)."""
     g = torch.Generator(device="cpu").manual_seed(n)
     k_new = torch.randn(batch, H_KV, 1, D, generator=g).to(device, torch.float16)
     v_new = torch.randn(batch, H_KV, 1, D, generator=g).to(device, torch.float16)
@@ -114,12 +121,23 @@ def step_rows(preset: str, batch: int, n: int, q, device) -> tuple[float, float,
         static_step()
     err = (got.float() - want.float()).abs().max().item()
     replay = static_step
+    compiled_us = None
     if device.type == "cuda":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records the step without running it
             static_step()
         replay = graph.replay
-    return _time_steps(dyn_step, device), _time_steps(replay, device), err
+    if device.type == "cuda" and compile_step:
+        # the same step through torch.compile (Inductor fuses the append's index arithmetic, where() and copies; the
+        # two custom ops stay opaque), then captured the same way: what the append costs with fewer launches
+        compiled = torch.compile(static_step, fullgraph=True)
+        for _ in range(warm):
+            compiled()
+        cgraph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cgraph):
+            compiled()
+        compiled_us = _time_steps(cgraph.replay, device)
+    return _time_steps(dyn_step, device), _time_steps(replay, device), compiled_us, err
 
 
 STORE_TILES_ENV = "KVKERNELS_ATTENTION_STORE_TILES"  # csrc/cuda/decode_attention.cu: "0" = general kernel only
@@ -145,6 +163,7 @@ def run(args) -> list[dict]:
     device = torch.device(args.device)
     l2 = bench._l2_bytes(device) if device.type == "cuda" else 0
     rows = []
+    compiled = set()  # presets whose compiled static step has been timed
     for n in args.tokens:
         for batch in args.batch:
             g = torch.Generator(device="cpu").manual_seed(n + batch)
@@ -185,15 +204,23 @@ def run(args) -> list[dict]:
                         flush=True,
                     )
                 del caches
-                if args.steps:
-                    dyn_us, static_us, err = step_rows(preset, batch, n, q, device)
+                if args.steps and (args.steps_tokens is None or n in args.steps_tokens):
+                    compile_step = preset not in compiled  # one compile per preset: Inductor takes tens of seconds
+                    compiled.add(preset)
+                    dyn_us, static_us, compiled_us, err = step_rows(preset, batch, n, q, device, compile_step)
                     for path, us in (("dynamic step", dyn_us), ("static step", static_us)):
                         rows.append({"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us})
                     rows[-1]["static_vs_dynamic"] = static_us / dyn_us
                     rows[-1]["max_abs_err_vs_dynamic"] = err
+                    compiled_txt = ""
+                    if compiled_us is not None:
+                        rows.append({"preset": preset, "path": "compiled static step", "batch": batch, "tokens": n,
+                                     "us": compiled_us, "compiled_vs_static": compiled_us / static_us})  # fmt: skip
+                        compiled_txt = f", compiled static {compiled_us:10.1f} us"
                     print(
                         f"N {n:>6} B {batch}: {preset:>14} step: dynamic {dyn_us:10.1f} us, static "
-                        f"{static_us:10.1f} us (static / dynamic {static_us / dyn_us:.2f}, max |diff| {err:.2e})",
+                        f"{static_us:10.1f} us{compiled_txt} (static / dynamic {static_us / dyn_us:.2f}, max |diff| "
+                        f"{err:.2e})",
                         flush=True,
                     )
     return rows
@@ -208,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--q-len", type=int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-decode-step rows")
+    p.add_argument("--steps-tokens", type=int, nargs="+", default=None,
+                   help="the whole-decode-step rows only at these token counts (default: every --tokens)")  # fmt: skip
     args = p.parse_args(argv)
     if args.tokens is None:
         args.tokens = [1024, 4096, 16384, 65536, 131072] if args.device.startswith("cuda") else [1024, 4096]

@@ -25,6 +25,12 @@ holds it to that, and checks that no op of a step reads a device value on the ho
 is the fused op's arithmetic over plain quantized stores (fused_attention_operands() is not None and both stores are
 QuantStore): InnerQ, KIVI. Others raise at construction.
 
+Launches: the eager append is ~70-80 small device ops per layer and step (InnerQ 78-80, KIVI 68; tests/
+test_static_cache.py holds that ceiling), and a CUDA graph of the eager step still launches them one by one (~1.5-2 us
+each on an H100: most of the first GPU run's ~200 us step beside its ~60 us of attention, bench/RESULTS.md).
+torch.compile(fullgraph=True) over the step, as KVKernelsStaticCache's generate() does, fuses them into ~15 kernels
+plus the two quantizer calls (counted on CPU).
+
 Capacity: appending past max_tokens is a programming error that cannot be caught on the host without a sync; the
 store write then indexes past its buffer (an index error on CPU, a device-side assert on CUDA), as with transformers'
 StaticCache. seq_len and token_counts() read the device (a sync): use them outside the captured step.

@@ -166,6 +166,39 @@ def test_the_step_reads_no_device_value_on_the_host(preset):
             read()  # the guard itself: host reads are caught
 
 
+class _DeviceOps(TorchDispatchMode):
+    """Counts the ops of a region that launch device work (every dispatched op that is not a view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+# Device ops of one eager append step (each a kernel launch on a GPU: ~1.5-2 us of a replayed CUDA graph, which is
+# what the first GPU run's static step spent beyond its attention, bench/RESULTS.md). Counted 2026-11-27: InnerQ 78-80
+# (key normalization and a rows store), KIVI 68. A ceiling, not a target: Inductor fuses the step's append into ~15
+# kernels plus the two quantize_groups_into calls (torch.compile(fullgraph=True), counted on CPU), and a fused append
+# kernel would make it one or two.
+APPEND_DEVICE_OPS = {"innerq_base": 80, "innerq_hybrid": 80, "kivi2": 68, "kivi4": 68}
+
+
+@pytest.mark.parametrize("preset", sorted(APPEND_DEVICE_OPS))
+def test_append_launches_stay_within_the_counted_budget(preset):
+    k, v = _kv(120)
+    _, static = _pair(preset, 100, k, v, max_tokens=160, step_tokens=1)
+    counts = set()
+    for i in range(100, 120):  # across a group boundary: the count must not depend on whether tokens leave the tail
+        with _DeviceOps() as mode:
+            static.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        counts.add(mode.count)
+    assert len(counts) == 1, f"the step's ops vary with the lengths: {sorted(counts)}"
+    assert counts.pop() <= APPEND_DEVICE_OPS[preset]
+
+
 def test_errors():
     k, v = _kv(40)
     lattice = make_layer_cache(PRESETS["lattice2"], B, H_KV, D, capacity=64)
