@@ -450,12 +450,11 @@ def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.
             w = tl.load(row_ptrs[:, None] + word0 + wi[None, :])
         else:
             w = tl.load(row_ptrs[:, None] + word0 + wi[None, :], mask=mask[:, None] & (wi < n_words)[None, :], other=0)
-        if BITS == 1 and not EMU:
-            # 1 bit: each value is -OFFSET or 1 - OFFSET, a select between two constant 16-bit patterns
+        if BITS == 1 and OFFSET == 0 and not EMU:
+            # 1 bit, unsigned codes: each value is 0 or 1, a select between two constant 16-bit patterns (sym's
+            # -1 / 0 would need a constant over int32's range here: it keeps the generic decode)
             ONE: tl.constexpr = 0x3C00 if DOT16 == 0 else 0x3F80  # 1.0
-            LO: tl.constexpr = (ONE | 0x8000) if OFFSET == 1 else 0  # -OFFSET (OFFSET is 0 or 1 at 1 bit)
-            HI: tl.constexpr = 0 if OFFSET == 1 else ONE  # 1 - OFFSET
-            p = select_pairs_1bit(w, LO * 0x10001, HI * 0x10001)
+            p = select_pairs_1bit(w, 0, ONE * 0x10001)
             v = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (R, BK))
             return v.to(tl.float16 if DOT16 == 0 else tl.bfloat16, bitcast=True)
         p = _pair_tree(w, w, w, 0, 1, PER // 2, BITS, MAGIC2)
