@@ -353,6 +353,25 @@ def _pair_tree(a, bc, w2, J0: tl.constexpr, STRIDE: tl.constexpr, N: tl.constexp
 
 
 @triton.jit
+def load_words(row_ptrs, word0, mask, n_words, W: tl.constexpr):
+    """Code words word0 .. word0 + W of each row -> int32 [R, W]. mask [R]: the rows to read, and words from n_words
+    on read as 0; mask None: every row and word exists (no predicates, n_words ignored)."""
+    wi = tl.arange(0, W)
+    ptrs = row_ptrs[:, None] + word0 + wi[None, :]
+    if mask is None:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=mask[:, None] & (wi < n_words)[None, :], other=0)
+    return w
+
+
+@triton.jit
+def halves(p, R: tl.constexpr, N: tl.constexpr):
+    """Pair words p (int32, R x N / 2 elements) -> their 16-bit halves as int16 [R, N], low half first."""
+    return tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (R, N))
+
+
+@triton.jit
 def _sign_bytes(x, SEL: tl.constexpr):
     """prmt.b32 with selector SEL (0xAA88 or 0xBB99) on x alone: each result byte is the sign bit of the byte its
     nibble picks, replicated (a nibble's bit 3 asks for the sign; PTX ISA, prmt)."""
@@ -445,22 +464,15 @@ def unpack_pairs(row_ptrs, word0, mask, n_words, OFFSET: tl.constexpr, BITS: tl.
     else:
         PER: tl.constexpr = 32 // BITS
         W: tl.constexpr = BK // PER
-        wi = tl.arange(0, W)
-        if mask is None:
-            w = tl.load(row_ptrs[:, None] + word0 + wi[None, :])
-        else:
-            w = tl.load(row_ptrs[:, None] + word0 + wi[None, :], mask=mask[:, None] & (wi < n_words)[None, :], other=0)
+        w = load_words(row_ptrs, word0, mask, n_words, W)
         if BITS == 1 and OFFSET == 0 and not EMU:
             # 1 bit, unsigned codes: each value is 0 or 1, a select between two constant 16-bit patterns (sym's
             # -1 / 0 would need a constant over int32's range here: it keeps the generic decode)
             ONE: tl.constexpr = 0x3C00 if DOT16 == 0 else 0x3F80  # 1.0
-            p = select_pairs_1bit(w, 0, ONE * 0x10001)
-            v = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (R, BK))
+            v = halves(select_pairs_1bit(w, 0, ONE * 0x10001), R, BK)
             return v.to(tl.float16 if DOT16 == 0 else tl.bfloat16, bitcast=True)
         p = _pair_tree(w, w, w, 0, 1, PER // 2, BITS, MAGIC2)
-    lo = p.to(tl.int16)
-    hi = (p >> 16).to(tl.int16)
-    v = tl.reshape(tl.join(lo, hi), (R, BK))
+    v = halves(p, R, BK)
     if DOT16 == 0:
         r = v.to(tl.float16, bitcast=True) - tl.full((), 1024.0 + OFFSET, tl.float16)
     elif EMU:  # the interpreter's bf16 arithmetic is broken: the same exact values in fp32

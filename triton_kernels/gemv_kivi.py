@@ -36,6 +36,8 @@ from ._common import (
     check_device,
     device_ctx,
     gqa_query_rows,
+    halves,
+    load_words,
     next_pow2,
     num_splits,
     pair_perm,
@@ -89,8 +91,7 @@ def _dequant_1bit(w, s, z):
     lo16 = (sf * 0.0 + zf).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi16 = (sf + zf).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     p = select_pairs_1bit(w, lo16 | (lo16 << 16), hi16 | (hi16 << 16))  # [R, NCB, 2 x4]
-    v = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (R, NCB * 32))
-    return v.to(tl.float16, bitcast=True)
+    return halves(p, R, NCB * 32).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -209,29 +210,21 @@ def _kivi_chunk(acc, c_rows, s_ptrs, z_ptrs, x_ptrs, r, r_hi, cb_ok, q_ok, word0
         w_mask = r_ok[:, None] & cb_ok[None, :]
         s = tl.load(s_ptrs, mask=w_mask, other=0.0)  # [BLOCK_R, NCB]
         z = tl.load(z_ptrs, mask=w_mask, other=0.0)
-        # a masked-off row or column block reads as codes 0, and its scale and zero as 0
-        if BITS == 1 and not EMU:
-            wi = tl.arange(0, NCB)
-            w = tl.load(c_rows[:, None] + word0 + wi[None, :], mask=r_ok[:, None] & (wi < n_words)[None, :], other=0)
-        else:
-            u = unpack_pairs(c_rows, word0, r_ok, n_words, 0, BITS, BLOCK_C, 0, EMU)
         xv = tl.load(x_ptrs, mask=r_ok[:, None] & q_ok[None, :], other=0.0)
     else:
+        r_ok = None  # the codes' loads go unpredicated
         s = tl.load(s_ptrs)
         z = tl.load(z_ptrs)
-        if BITS == 1 and not EMU:
-            w = tl.load(c_rows[:, None] + word0 + tl.arange(0, NCB)[None, :])
-        else:
-            u = unpack_pairs(c_rows, word0, None, n_words, 0, BITS, BLOCK_C, 0, EMU)
         xv = tl.load(x_ptrs, mask=q_ok[None, :], other=0.0)
 
     # the codes dequantized to fp16, columns in pair_perm order within each 32-column block (a 32-column block lies
-    # in one group: G is a multiple of 32, so the order within it does not matter)
+    # in one group: G is a multiple of 32, so the order within it does not matter); a masked-off row or column block
+    # reads as codes 0, and its scale and zero as 0
     if BITS == 1 and not EMU:
-        deq = _dequant_1bit(w, s, z)
+        deq = _dequant_1bit(load_words(c_rows, word0, r_ok, n_words, NCB), s, z)
     else:
         shape: tl.constexpr = (BLOCK_R, NCB, 32)
-        u = tl.reshape(u, shape)
+        u = tl.reshape(unpack_pairs(c_rows, word0, r_ok, n_words, 0, BITS, BLOCK_C, 0, EMU), shape)
         deq = _dequant_fp16(u, tl.broadcast_to(s[:, :, None], shape), tl.broadcast_to(z[:, :, None], shape), EMU)
     a = tl.trans(tl.reshape(deq, (BLOCK_R, BLOCK_C)))  # [BLOCK_C, BLOCK_R]: the MMA's M is the columns
 
