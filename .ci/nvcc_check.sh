@@ -6,6 +6,9 @@
 #   2. the SASS of the GEMVs' vectorized instantiations uses 64/128-bit code loads (cuobjdump);
 #   3. g++ -fsyntax-only of csrc/cuda/torch_bindings.cpp against the (CPU) torch headers.
 # Skips (exit 0, with the reason) where nvcc or torch is absent. Two files compile at a time.
+# The objects stay in $NVCC_CHECK_OBJ_DIR (default build/nvcc_check), each with a manifest (flags, archs, sha256 of
+# the .cu and of every csrc header): bench/sass_budget.py reuses an object whose manifest still matches the sources
+# instead of compiling it again (in CI, make sass-budget follows this script: ~10 minutes saved).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +20,18 @@ JOBS="${NVCC_CHECK_JOBS:-2}"
 FLAGS=(-std=c++17 -O3 --use_fast_math -lineinfo --expt-relaxed-constexpr -I csrc -Xptxas -v)
 for a in "${ARCHS[@]}"; do FLAGS+=(-gencode "arch=compute_${a},code=sm_${a}"); done
 
+# What an object is built from, read by bench/sass_budget.py (prebuilt_object) before it reuses the object:
+# the flags, the archs, and the sha256 of the .cu ($1) and of every csrc header.
+manifest() {
+  echo "flags ${FLAGS[*]}"
+  echo "archs ${ARCHS[*]}"
+  find csrc -name '*.cuh' -o -name '*.h' | LC_ALL=C sort | xargs sha256sum "$1"
+}
+if [ "${1:-}" = "--manifest" ]; then  # tests/test_sass_budget.py: the manifest of one file, nothing compiled
+  manifest "${2:?usage: nvcc_check.sh --manifest FILE.cu}"
+  exit 0
+fi
+
 if [ ! -x "$NVCC" ]; then
   echo "nvcc_check: SKIP (no nvcc found; set NVCC=/path/to/nvcc to run the CUDA compile check)"
   exit 0
@@ -25,6 +40,9 @@ echo "nvcc_check: $("$NVCC" --version | tail -n 2 | head -n 1)"
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+OBJ_DIR="${NVCC_CHECK_OBJ_DIR:-build/nvcc_check}"
+rm -rf "$OBJ_DIR"
+mkdir -p "$OBJ_DIR"
 status=0
 
 # Readable kernel names: demangled, namespaces and casts dropped, QuantMode values named.
@@ -32,12 +50,15 @@ DEMANGLE_SED='s/\(anonymous namespace\):://g; s/\(kvk::QuantMode\)0/sym/g; s/\(k
 DEMANGLE_SED+=' s/\(kvk::QuantMode\)2/hybrid/g; s/kvk:://g; s/\(int\)//g; s/\(bool\)//g; s/\(.*$//; s/^void //'
 
 # ---- 1. nvcc, two files at a time ------------------------------------------------------------------------------
-compile() {  # $1 = .cu file; writes $WORK/<name>.log and $WORK/<name>.rc
-  local name
+compile() {  # $1 = .cu file; writes $OBJ_DIR/<name>.{o,log,manifest} and $WORK/<name>.rc
+  local name rc
   name="$(basename "$1" .cu)"
   local start=$SECONDS
-  "$NVCC" "${FLAGS[@]}" -c "$1" -o "$WORK/$name.o" >"$WORK/$name.log" 2>&1
-  echo $? >"$WORK/$name.rc"
+  manifest "$1" >"$WORK/$name.manifest"  # hashed before the compile reads the sources
+  "$NVCC" "${FLAGS[@]}" -c "$1" -o "$OBJ_DIR/$name.o" >"$OBJ_DIR/$name.log" 2>&1
+  rc=$?
+  [ "$rc" = 0 ] && mv "$WORK/$name.manifest" "$OBJ_DIR/$name.manifest"
+  echo "$rc" >"$WORK/$name.rc"
   echo $((SECONDS - start)) >"$WORK/$name.secs"
 }
 
@@ -60,7 +81,7 @@ fi
 for f in "${files[@]}"; do
   [ -e "$f" ] || continue
   name="$(basename "$f" .cu)"
-  log="$WORK/$name.log"
+  log="$OBJ_DIR/$name.log"
   rc="$(cat "$WORK/$name.rc")"
   echo
   echo "== $f  ($(cat "$WORK/$name.secs")s, sm_${ARCHS[*]// /, sm_})"
@@ -134,7 +155,7 @@ CUOBJDUMP="$(command -v cuobjdump || ls "$(dirname "$(readlink -f "$NVCC")")/cuo
 if [ -z "$CUOBJDUMP" ]; then
   echo "== wide loads: SKIP (no cuobjdump in PATH, next to nvcc, or in the venv's triton)"
 else
-  for o in "$WORK"/gemv_*.o; do
+  for o in "$OBJ_DIR"/gemv_*.o; do
     [ -e "$o" ] || continue
     "$CUOBJDUMP" -sass "$o" | awk '
       /code for sm_/ { arch = $3 }

@@ -293,3 +293,33 @@ def test_ring64_tiles_match_the_kernel_source():
     m = re.search(r"constexpr int ring64_rows\(\) \{\s*return BITS == 4 \? 16 : 32;", src)
     assert m, "ring64_rows<BITS>() changed: update sass_budget.ring64_tiles"
     assert [sb.ring64_tiles(b) for b in (1, 2, 3, 4)] == [2, 2, 2, 1]
+
+
+def test_prebuilt_objects_are_reused_only_while_their_manifest_matches(tmp_path):
+    # make sass-budget reuses .ci/nvcc_check.sh's objects; a stale one (any input changed) must be compiled again
+    import subprocess
+
+    rel = "csrc/cuda/gemv_kivi.cu"
+    manifest = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "nvcc_check.sh"), "--manifest", rel], capture_output=True, text=True, check=True
+    ).stdout
+    lines = manifest.splitlines()
+    assert lines[0].startswith("flags ") and lines[1] == "archs 80 87 90" and lines[2].endswith(rel)
+    (tmp_path / "gemv_kivi.o").write_bytes(b"object")
+    (tmp_path / "gemv_kivi.log").write_text("ptxas log")
+
+    def reused(text: str, archs=("90", "87")):
+        (tmp_path / "gemv_kivi.manifest").write_text(text)
+        return sb.prebuilt_object(ROOT / rel, list(archs), tmp_path)
+
+    assert reused(manifest) == (tmp_path / "gemv_kivi.o", "ptxas log")
+    assert reused(manifest, ("90", "89")) is None  # an arch nvcc_check does not build
+    header = next(line for line in lines if line.endswith(".cuh"))
+    stale = [
+        [("0" * 64 + header[64:]) if line == header else line for line in lines],  # a header changed since
+        [line for line in lines if line != header],  # a header added since
+        [*lines, "0" * 64 + "  csrc/kvkernels/removed.cuh"],  # a header removed since
+        [line.replace("-O3", "-O2") for line in lines],  # other flags
+    ]
+    for text in stale:
+        assert reused("\n".join(text)) is None

@@ -15,12 +15,13 @@ script closes that gap the way .ci/nvcc_check.sh does for csrc/cuda/:
 3. cuobjdump reads each cubin's resource usage: stack/local memory above SPILL_TOLERANCE_B (register spills) or
    shared memory above the target's opt-in limit is an error.
 
-Usage: python tests/triton_aot/compile_check.py [--targets 80,90] [--jobs N] [--json FILE]
+Usage: python tests/triton_aot/compile_check.py [--targets 80,90] [--jobs N] [--json FILE] [--cover N]
 Exit status 0 when every variant compiled for every target within those limits; prints one line per variant.
 """
 
 import argparse
 import concurrent.futures as cf
+import itertools
 import json
 import os
 import re
@@ -381,6 +382,29 @@ def resource_usage(cubin: bytes) -> dict:
     return dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups()), strict=True)) if m else {}
 
 
+def covering(jobs: list[dict], strength: int) -> list[dict]:
+    """A subset of the jobs in which every combination of `strength` features (a constexpr's value, the pointer
+    types, the 64-bit ints, a launch option) that some job of a kernel has is held by at least one chosen job of that
+    kernel: greedy, the job covering the most uncovered combinations first (ties: recording order). Faults that
+    depend on at most `strength` of a launch's parameters together are caught by the subset; CI compiles the 3-way
+    cover (~45% of the launches), `pytest -m slow` every launch."""
+
+    def features(job: dict) -> list[str]:
+        _, meta, ptrs, wide, options = job["key"]
+        return sorted([f"{k}={v!r}" for k, v in (*meta, *options)] + [f"ptrs={ptrs}", f"wide={wide}"])
+
+    chosen = []
+    for name in dict.fromkeys(job["key"][0] for job in jobs):
+        mine = [job for job in jobs if job["key"][0] == name]
+        combos = [set(itertools.combinations(features(job), min(strength, len(features(job))))) for job in mine]
+        need = set().union(*combos)
+        while need:
+            i = max(range(len(mine)), key=lambda i: len(combos[i] & need))
+            chosen.append(mine[i])
+            need -= combos[i]
+    return chosen
+
+
 def compile_one(job: dict, cc: int) -> dict:
     fn = job["fn"]
     target = GPUTarget("cuda", cc, 32)
@@ -421,6 +445,13 @@ def main() -> int:
     ap.add_argument("--json", help="write the per-variant results here")
     ap.add_argument("--self-test", action="store_true", help="compile only planted faults; exit 0 iff all FAIL")
     ap.add_argument("--only", help="compile only the launches whose label contains this string")
+    ap.add_argument(
+        "--cover",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compile only a subset of the launches covering every N-way combination of their parameters (0: all)",
+    )
     args = ap.parse_args()
     targets = [int(t) for t in args.targets.split(",")]
 
@@ -430,6 +461,9 @@ def main() -> int:
         if args.only is None or args.only in job["label"]:
             jobs.setdefault(job["key"], job)
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(jobs)} distinct launches x targets {targets}")
+    if args.cover:
+        jobs = {job["key"]: job for job in covering(list(jobs.values()), args.cover)}
+        print(f"compiling the {len(jobs)} launches that cover every {args.cover}-way combination of their parameters")
     if not cuobjdump_path():
         print("note: cuobjdump not found, register/spill usage is not checked")
 
