@@ -173,6 +173,11 @@ class Kernel:
 PREBUILT_DIR = ROOT / "build" / "nvcc_check"
 
 
+def object_inputs(src: Path) -> list[Path]:
+    """What an object compiled from src depends on: src and every csrc header (the key of both object caches)."""
+    return [src, *sorted((ROOT / "csrc").rglob("*.cuh")), *sorted((ROOT / "csrc").rglob("*.h"))]
+
+
 def prebuilt_object(src: Path, archs: list[str], prebuilt_dir: Path = PREBUILT_DIR) -> tuple[Path, str] | None:
     """The object .ci/nvcc_check.sh compiled from src, if its manifest shows it was built from exactly today's
     inputs: the same flags, at least these archs, and the same sha256 for src and for every csrc header (no more, no
@@ -197,7 +202,7 @@ def prebuilt_object(src: Path, archs: list[str], prebuilt_dir: Path = PREBUILT_D
         elif line.strip():
             digest, _, path = line.partition("  ")
             hashes[(ROOT / path.strip()).resolve()] = digest
-    deps = [src, *(ROOT / "csrc").rglob("*.cuh"), *(ROOT / "csrc").rglob("*.h")]
+    deps = object_inputs(src)
     if flags != FLAGS or not set(archs) <= built_archs or set(hashes) != {d.resolve() for d in deps}:
         return None
     if any(hashlib.sha256(d.read_bytes()).hexdigest() != hashes[d.resolve()] for d in deps):
@@ -207,7 +212,7 @@ def prebuilt_object(src: Path, archs: list[str], prebuilt_dir: Path = PREBUILT_D
 
 def compile_object(nvcc: str, src: Path, archs: list[str], out_dir: Path) -> tuple[Path, str]:
     """nvcc -c src for archs; returns (object, ptxas log). Cached by a hash of the sources, flags and archs."""
-    deps = [src, *sorted((ROOT / "csrc").rglob("*.cuh")), *sorted((ROOT / "csrc").rglob("*.h"))]
+    deps = object_inputs(src)
     key = hashlib.sha256(b"".join(p.read_bytes() for p in deps) + " ".join(FLAGS + archs).encode()).hexdigest()[:16]
     obj = out_dir / f"{src.stem}-{key}.o"
     log = obj.with_suffix(".log")

@@ -55,7 +55,7 @@ def _check_sweep(*args: str) -> None:
 
 
 def test_launches_covering_every_3_way_parameter_combination_compile_for_sm80_and_sm90():
-    # ~45% of the launches (a 3-way covering subset, compile_check.covering): ~8 of the full sweep's ~20 CI minutes
+    # 235 of the 520 launches (compile_check.covering): 491 s, cold Triton cache, 2 cores; all: ~1100 s
     _check_sweep("--cover", "3")
 
 

@@ -396,7 +396,7 @@ def covering(jobs: list[dict], strength: int) -> list[dict]:
     chosen = []
     for name in dict.fromkeys(job["key"][0] for job in jobs):
         mine = [job for job in jobs if job["key"][0] == name]
-        combos = [set(itertools.combinations(features(job), min(strength, len(features(job))))) for job in mine]
+        combos = [set(itertools.combinations(f, min(strength, len(f)))) for f in map(features, mine)]
         need = set().union(*combos)
         while need:
             i = max(range(len(mine)), key=lambda i: len(combos[i] & need))
