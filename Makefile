@@ -1,6 +1,10 @@
 # Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
-# Both create .venv (torch 2.13 CPU wheel first, so pip never pulls a CUDA torch) and build kvkernels._C.
+# Both create .venv (torch 2.13 first, before anything that depends on it) and build kvkernels._C.
 PYTHON ?= python3
+# Where pip's index resolves torch==2.13.0 to a CUDA build (PyPI's Linux wheel is +cu130) and a CPU-only venv is
+# wanted: make TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu". This project's machines resolve it
+# to the CPU wheel from their local wheelhouse without it.
+TORCH_PIP_ARGS ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkernels-built
@@ -10,7 +14,7 @@ EVAL_STAMP := $(VENV)/.kvkernels-eval
 
 .PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench eval eval-quick clean
 
-demo: $(EVAL_STAMP)  # ~2 minutes on 2 CPU cores (the first run converts SmolLM2-135M once, ~40 s more)
+demo: $(EVAL_STAMP)  # ~5 minutes on 2 idle CPU cores (the first run converts SmolLM2-135M once, ~35 s more)
 	$(PY) -m kvkernels demo
 
 test: $(STAMP)
@@ -21,7 +25,7 @@ venv: $(STAMP)
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja numpy
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==2.13.0
 	touch $@
 
 $(STAMP): $(VENV)/.torch setup.py pyproject.toml $(CSRC)

@@ -65,6 +65,25 @@ inline void check_no_self_overlap(const char* op, const char* name, const at::Te
                     "got shape ", t.sizes(), " and strides ", t.strides());
 }
 
+// Two tensors an op reads / writes must not share bytes (quantize_groups_into's outputs with each other and with x:
+// one output's stores would land in another, or in x while it is being read). Conservative: same storage and
+// intersecting byte spans (first to last element) is refused, so interleaved views of one buffer are refused too.
+// Reads no data (meta tensors too). kvkernels/_validate.py check_disjoint is the same rule.
+inline void check_disjoint(const char* op, const char* name_a, const at::Tensor& a, const char* name_b,
+                           const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const int64_t item = static_cast<int64_t>(t.element_size());
+    return std::make_pair(t.storage_offset() * item, (t.storage_offset() + last + 1) * item);
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  TORCH_CHECK_VALUE(a1 <= b0 || b1 <= a0, "kvkernels.", op, ": ", name_a, " and ", name_b,
+                    " must not share memory (their byte ranges in one buffer overlap): give each its own buffer");
+}
+
 inline void check_last_dim_contiguous(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, "kvkernels.", op, ": ", name,
                     " must have stride 1 in its last dim (row strides may be anything), got ", t.strides());
@@ -161,6 +180,12 @@ inline void check_quantize_into(const at::Tensor& x, int64_t bits, int64_t group
   check_defined(op, "zeros", zeros);
   check_quantize(op, x, bits, group_size, mode, eta);
   check_quantize_outputs(op, x, bits, group_size, codes, scales, zeros);
+  check_disjoint(op, "codes", codes, "scales", scales);
+  check_disjoint(op, "codes", codes, "zeros", zeros);
+  check_disjoint(op, "scales", scales, "zeros", zeros);
+  check_disjoint(op, "x", x, "codes", codes);
+  check_disjoint(op, "x", x, "scales", scales);
+  check_disjoint(op, "x", x, "zeros", zeros);
 }
 
 // dequantize_groups: returns the dequantized length L (values per row).

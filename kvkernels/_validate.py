@@ -18,8 +18,12 @@ def _fail(op: str, msg: str, exc=ValueError):
     raise exc(f"kvkernels.{op}: {msg}")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_bits(op: str, bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
+    if not _is_int(bits) or bits not in SUPPORTED_BITS:
         _fail(op, f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
 
 
@@ -29,6 +33,8 @@ def check_mode(op: str, mode: str) -> None:
 
 
 def check_group_size(op: str, group_size: int, length: int, what: str) -> None:
+    if not _is_int(group_size):
+        _fail(op, f"group_size must be an int, got {group_size!r}", TypeError)
     if group_size <= 0 or group_size % BLOCK:
         _fail(op, f"group_size must be a positive multiple of {BLOCK}, got {group_size}")
     if length % group_size:
@@ -189,6 +195,8 @@ def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:
     if x.dim() < 1:
         _fail(op, "x must have at least one dim")
     check_group_size(op, group_size, x.shape[-1], "x.shape[-1]")
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)):
+        _fail(op, f"eta must be a float, got {eta!r}", TypeError)
     if not 0.0 <= eta < 0.5:
         _fail(op, f"eta must be in [0, 0.5), got {eta}")
     if eta and mode != "asym":
@@ -222,7 +230,7 @@ def check_values(op: str, x: torch.Tensor, bits: int, group_size: int, mode: str
     Hybrid falls back to sym where asym's scale overflows, so it needs only the sym bound. Per-group min/max
     are reduced in chunks of the leading dims, so the temporaries stay small whatever the size of x.
     """
-    if not x.numel():
+    if not x.numel() or x.device.type == "meta":  # no data (shape checks still ran): nothing to read
         return
     worst_abs = worst_scale = None
     qmax = float(2**bits - 1)
@@ -260,6 +268,24 @@ def check_no_self_overlap(op: str, name: str, t: torch.Tensor) -> None:
         )
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() * t.element_size(), (t.storage_offset() + last + 1) * t.element_size()
+
+
+def check_disjoint(op: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """a and b must not share bytes (an op's outputs with each other and with its input). Conservative, as
+    csrc/op_checks.h check_disjoint: same storage and intersecting byte spans are refused. Reads no data."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace _is_alias_of; the op's kernels check when they run
+        return
+    if not a.numel() or not b.numel() or not torch._C._is_alias_of(a, b):
+        return
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a1 > b0 and b1 > a0:
+        _fail(op, f"{name_a} and {name_b} must not share memory (their byte ranges in one buffer overlap): "
+                  "give each its own buffer")  # fmt: skip
+
+
 def check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros) -> None:
     op = "quantize_groups_into"
     check_tensors(op, x=x, codes=codes, scales=scales, zeros=zeros)
@@ -272,6 +298,10 @@ def check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros) ->
     _check_group_params(op, scales, zeros, lead + (L // group_size,), True)
     for name, t in (("codes", codes), ("scales", scales), ("zeros", zeros)):
         check_no_self_overlap(op, name, t)
+    tensors = {"x": x, "codes": codes, "scales": scales, "zeros": zeros}
+    for a, b in (("codes", "scales"), ("codes", "zeros"), ("scales", "zeros"), ("x", "codes"), ("x", "scales"),
+                 ("x", "zeros")):  # fmt: skip
+        check_disjoint(op, a, tensors[a], b, tensors[b])
     check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros)
 
 
@@ -429,7 +459,7 @@ def check_gemv_lattice_v(p, codes, norms, grid, group_size, signs=None) -> None:
 
 def check_signs_values(op: str, signs) -> None:
     """Every sign is +1 or -1 (one device sync). The ops multiply by what signs hold: a 0 would zero a channel."""
-    if signs is None or not signs.numel():
+    if signs is None or not signs.numel() or signs.device.type == "meta":
         return
     bad = (signs != 1) & (signs != -1)
     if bool(bad.any()):
@@ -439,7 +469,7 @@ def check_signs_values(op: str, signs) -> None:
 def check_lattice_values(op: str, x: torch.Tensor, group_size: int) -> None:
     """Reject x with NaN/Inf, or a group whose RMS would overflow the fp16 norm (one device sync; chunked as
     check_values). Without this check such a group stores a NaN/Inf norm and index 0 (FORMATS.md NaN policy)."""
-    if not x.numel():
+    if not x.numel() or x.device.type == "meta":
         return
     worst_abs = worst_rms = None
     for part in _leading_chunks(x.detach(), VALUE_CHECK_CHUNK):

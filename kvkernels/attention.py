@@ -95,6 +95,10 @@ def _apply_mask(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.T
 
 
 def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, batch: int, seq_len: int) -> None:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a tensor, got {type(q).__name__}")
+    if not q.dtype.is_floating_point:  # the result is returned in q's dtype: an int / bool q would truncate it
+        raise TypeError(f"q must be floating point (fp16, bf16, fp32), got {str(q.dtype).removeprefix('torch.')}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, H_q, T, D], got shape {list(q.shape)}")
     B, H_q, T, D = q.shape

@@ -5,7 +5,9 @@ Schemas live in csrc/ops.cpp. This module adds, for every op:
   * the CPU kernel where C++ has none (the reference), and the CUDA kernel where no compiled one was built
     (Triton if importable, else the reference, which is plain PyTorch and runs on any device);
   * a wrapper that validates arguments (kvkernels._validate) with errors naming the argument.
-Every registered Python kernel validates too, so calling torch.ops.kvkernels.X directly is just as safe.
+Every registered kernel (Python or C++) validates the metadata too (dtypes, shapes, devices, bits, overlapping
+outputs), so a direct torch.ops.kvkernels.X call gets the same errors for those; the checks that read the data (NaN /
+Inf input, out-of-range codes or signs: a device sync each) run in the wrappers only.
 """
 
 import functools

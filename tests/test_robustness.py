@@ -119,7 +119,33 @@ CPU_CASES = [
     ),
     ("pack float codes", lambda x, c, s, z: ops.pack_bits(x, 3), TypeError, "integer"),
     ("unpack bits 0", lambda x, c, s, z: ops.unpack_bits(c, 0), ValueError, "bits"),
+    # outputs sharing memory with each other or with x (the stores of one landed in the other: a silent wrong answer)
+    (
+        "into scales is zeros",
+        lambda x, c, s, z: ops.quantize_groups_into(x, 3, 32, "asym", 0.0, torch.empty_like(c), s, s),
+        ValueError,
+        "scales and zeros must not share memory",
+    ),
+    (
+        "into zeros inside scales' rows",
+        lambda x, c, s, z: ops.quantize_groups_into(x, 3, 32, "asym", 0.0, torch.empty_like(c), *_interleaved(4, 2)),
+        ValueError,
+        "scales and zeros must not share memory",
+    ),
+    (
+        "into codes over x",
+        lambda x, c, s, z: ops.quantize_groups_into(x, 3, 32, "asym", 0.0, x.view(torch.int32)[:, :6], s, z),
+        ValueError,
+        "x and codes must not share memory",
+    ),
 ]
+
+
+def _interleaved(rows, groups):
+    """scales and zeros as the two halves of each row of one [rows, 2 groups] buffer: disjoint elements, but each
+    one's byte span covers the other's (refused: the check is conservative, csrc/op_checks.h check_disjoint)."""
+    buf = _half(rows, 2 * groups)
+    return buf[:, :groups], buf[:, groups:]
 
 
 @requires_c
@@ -421,3 +447,87 @@ def test_gemv_nan_stays_in_the_outputs_it_feeds(backend):
     nan = torch.zeros_like(y, dtype=torch.bool)
     nan[0, 0] = True
     assert torch.equal(y.isnan(), nan)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_quantize_into_takes_disjoint_parts_of_one_buffer(device):
+    # the sharing rule must not refuse outputs carved from one allocation without overlap (codes, scales, zeros of a
+    # packed block), on the C++ kernel and on the fake
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    block = torch.zeros(4 * 6 + 2 * 4 * 2 // 2, dtype=torch.int32)
+    codes = block[:24].view(4, 6)
+    halves = block[24:].view(torch.float16)
+    scales, zeros = halves[:8].view(4, 2), halves[8:].view(4, 2)
+    if device == "meta":
+        x, codes, scales, zeros = (t.to("meta") for t in (x, codes, scales, zeros))
+    if device == "cpu" and kvkernels.backends()["cpp"] != "available":
+        pytest.skip("kvkernels._C not built")
+    ops.quantize_groups_into(x, 3, 32, "asym", 0.0, codes, scales, zeros)
+    if device == "cpu":
+        want = kvkernels.reference.quantize_groups(x, 3, 32, "asym")
+        for got, w in zip((codes, scales, zeros), want, strict=True):
+            assert torch.equal(got, w)
+
+
+def test_wrapper_refuses_outputs_sharing_memory():
+    x = torch.randn(4, 64)
+    codes, scales, zeros = kvkernels.quantize_groups(x, 3, 32, "asym")
+    with pytest.raises(ValueError, match="scales and zeros must not share memory"):
+        kvkernels.quantize_groups_into(x, 3, 32, "asym", 0.0, codes, scales, scales)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"bits": True}, ValueError, "bits must be one of"),
+        ({"bits": 3.0}, ValueError, "bits must be one of"),
+        ({"group_size": 32.0}, TypeError, "group_size must be an int"),
+        ({"eta": None}, TypeError, "eta must be a float"),
+        ({"eta": True}, TypeError, "eta must be a float"),
+    ],
+)
+def test_quantize_refuses_arguments_of_the_wrong_type(kwargs, exc, match):
+    args = {"bits": 3, "group_size": 32, "mode": "asym", "eta": 0.0} | kwargs
+    with pytest.raises(exc, match=match):
+        kvkernels.quantize_groups(torch.randn(4, 64), **args)
+
+
+def test_value_checks_pass_over_meta_tensors():
+    # no data to read: the wrappers' shape checks run, the value checks (a device sync) are skipped
+    codes, scales, zeros = kvkernels.quantize_groups(torch.empty(2, 64, device="meta"), 3, 32, "asym")
+    assert codes.device.type == "meta" and tuple(scales.shape) == (2, 2)
+
+
+def test_decode_attention_refuses_non_float_queries():
+    from kvkernels.formats import make_layer_cache
+
+    cache = make_layer_cache(kvkernels.PRESETS["innerq_base"], 1, 2, 64, capacity=64, dtype=torch.float32)
+    cache.append(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64))
+    q = torch.randn(1, 4, 1, 64)
+    for bad in (q.int(), q > 0):
+        with pytest.raises(TypeError, match="q must be floating point"):
+            kvkernels.decode_attention(bad, cache)
+    assert kvkernels.decode_attention(q, cache).dtype == torch.float32
+
+
+def test_layer_cache_crop_and_reorder_refuse_non_integers():
+    from kvkernels.formats import make_layer_cache
+
+    cache = make_layer_cache(kvkernels.PRESETS["kivi2"], 2, 2, 64, capacity=64, dtype=torch.float32)
+    cache.append(torch.randn(2, 2, 20, 64), torch.randn(2, 2, 20, 64))
+    with pytest.raises(TypeError, match="crop takes an int"):
+        cache.crop(5.0)
+    with pytest.raises(TypeError, match="index must hold integers"):
+        cache.reorder(torch.tensor([0.7, 1.0]))
+    cache.reorder(torch.tensor([1, 0]))
+    cache.crop(5)
+    assert cache.seq_len == 5
+
+
+def test_key_norm_factors_shorter_than_the_model_is_named():
+    from kvkernels.integrations.transformers import _layer_factors
+
+    assert _layer_factors({0: "f0"}, 3) is None
+    assert _layer_factors(["f0", "f1"], 1) == "f1"
+    with pytest.raises(ValueError, match="key_norm_factors holds 2 layers' factors but the model has layer 2"):
+        _layer_factors(["f0", "f1"], 2)

@@ -267,12 +267,29 @@ def unpack_tile(row_ptrs, word0, mask, n_words, BITS: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def split_dot(a, x, acc, XPARTS: tl.constexpr, DOT16: tl.constexpr, EMU: tl.constexpr):
-    """acc + a @ x in fp32 with exact products: a [M, K] exact 16-bit integers (fp16 or bf16), x fp32 [K, N].
+def pow2_scales(xv):
+    """Per column q of xv [K, N] (fp32): (up, down), powers of two with max_k |xv[k, q]| * up in [2^14, 2^15) and
+    up * down == 1, from the max's exponent field (clamped so both stay normal fp32; an all-zero column gets 2^126)."""
+    m = tl.max(tl.abs(xv), axis=0)
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(tl.maximum(e, 15), 254)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+    down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
+    return up, down
 
-    XPARTS 1: x holds values of the 16-bit type DOT16 names (0 fp16, 1 bf16: the activations arrived in it), one
-    dot. XPARTS 3 (bf16): x = hi + mid + lo, each bf16 (8 + 8 + 8 significant bits hold fp32's 24, and bf16 has
-    fp32's exponent range, so the split is exact without any scaling), three dots into the same accumulator.
+
+@triton.jit
+def split_dot(a, x, acc, XPARTS: tl.constexpr, DOT16: tl.constexpr, EMU: tl.constexpr):
+    """acc + a @ x in fp32: a [M, K] fp16 / bf16 (DOT16 0 / 1), x [K, N] the activations.
+
+    XPARTS 1: x holds values of the 16-bit type DOT16 names (the activations arrived in it): one dot, products exact.
+    XPARTS 2 (fp16; gemv_kivi): each column of x is scaled by a power of two so its largest |x| lies in [2^14, 2^15)
+    (pow2_scales) and split into fp16 hi + lo, two dots whose fp32 sum is scaled back (exact). hi + lo holds 22
+    significant bits of the column's largest value: an element's error is at most 2^-23 of that maximum.
+    XPARTS 3 (bf16; gemv_inner_q, whose a are exact integers): x = hi + mid + lo, each bf16 (8 + 8 + 8 significant
+    bits hold fp32's 24, and bf16 has fp32's exponent range, so the split is exact without any scaling), three dots
+    into the same accumulator: products exact. (Two fp16 parts instead, with the scaling per chunk, measured worse
+    on its wgmma tiles: the column maxima's shuffles and the rescale cost more than the third dot, bench/README.md.)
     EMU: the operands widened to fp32 (the interpreter; a may be fp32 already, see unpack_pairs).
     """
     if XPARTS == 1:
@@ -281,8 +298,23 @@ def split_dot(a, x, acc, XPARTS: tl.constexpr, DOT16: tl.constexpr, EMU: tl.cons
             acc = tl.dot(a.to(tl.float32), xa.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, x.to(a.dtype), acc)
+    elif XPARTS == 2:
+        tl.static_assert(DOT16 == 0, "XPARTS 2 splits into fp16 parts")
+        xf = x.to(tl.float32)
+        up, down = pow2_scales(xf)
+        xs = xf * up[None, :]
+        hi = xs.to(tl.float16)
+        lo = (xs - hi.to(tl.float32)).to(tl.float16)
+        if EMU:
+            af = a.to(tl.float32)
+            part = tl.dot(af, hi.to(tl.float32), input_precision="ieee")
+            part = tl.dot(af, lo.to(tl.float32), part, input_precision="ieee")
+        else:
+            part = tl.dot(a, hi)
+            part = tl.dot(a, lo, part)
+        acc += part * down[None, :]
     else:
-        tl.static_assert(XPARTS == 3, "XPARTS must be 1 or 3")
+        tl.static_assert(XPARTS == 3, "XPARTS must be 1, 2 or 3")
         hi = x.to(tl.bfloat16)
         r = x - hi.to(tl.float32)
         mid = r.to(tl.bfloat16)

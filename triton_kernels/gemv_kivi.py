@@ -43,6 +43,7 @@ from ._common import (
     pair_perm,
     query_t_chunk,
     select_pairs_1bit,
+    split_dot,
     unpack_pairs,
 )
 
@@ -92,18 +93,6 @@ def _dequant_1bit(w, s, z):
     hi16 = (sf + zf).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     p = select_pairs_1bit(w, lo16 | (lo16 << 16), hi16 | (hi16 << 16))  # [R, NCB, 2 x4]
     return halves(p, R, NCB * 32).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _pow2_scales(xv):
-    """Per column q of xv [K, QP] (fp32): (up, down), powers of two with max_k |xv[k, q]| * up in [2^14, 2^15) and
-    up * down == 1, from the max's exponent field (clamped so both stay normal fp32; an all-zero column gets 2^126)."""
-    m = tl.max(tl.abs(xv), axis=0)
-    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(tl.maximum(e, 15), 254)
-    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
-    down = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
-    return up, down
 
 
 @triton.jit
@@ -228,26 +217,9 @@ def _kivi_chunk(acc, c_rows, s_ptrs, z_ptrs, x_ptrs, r, r_hi, cb_ok, q_ok, word0
         deq = _dequant_fp16(u, tl.broadcast_to(s[:, :, None], shape), tl.broadcast_to(z[:, :, None], shape), EMU)
     a = tl.trans(tl.reshape(deq, (BLOCK_R, BLOCK_C)))  # [BLOCK_C, BLOCK_R]: the MMA's M is the columns
 
-    if XPARTS == 1:  # fp16 activations: exact as they are
-        if EMU:
-            acc = tl.dot(a, xv.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, xv, acc)
-    else:
-        # scaled per query row and chunk so the chunk's largest |x| is in [2^14, 2^15), split into fp16 hi + lo
-        # (22 significant bits; exact powers of two, undone on the chunk's fp32 sum)
-        xv = xv.to(tl.float32)
-        up, down = _pow2_scales(xv)
-        xs = xv * up[None, :]
-        hi = xs.to(tl.float16)
-        lo = (xs - hi.to(tl.float32)).to(tl.float16)
-        if EMU:
-            part = tl.dot(a, hi.to(tl.float32), input_precision="ieee")
-            part = tl.dot(a, lo.to(tl.float32), part, input_precision="ieee")
-        else:
-            part = tl.dot(a, hi)
-            part = tl.dot(a, lo, part)
-        acc += part * down[None, :]
+    # fp16 activations enter as they are; fp32 / bf16 ones scaled per query row and chunk by a power of two and split
+    # into fp16 hi + lo (split_dot)
+    acc = split_dot(a, xv, acc, XPARTS, 0, EMU)
     return acc
 
 

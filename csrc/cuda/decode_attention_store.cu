@@ -287,7 +287,6 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
-  const int r0 = c.r0, nr = c.nr;
 
   stage_queries<D, QR>(p, L, c, qs, unscale_s, warp, lane);
   __syncthreads();
@@ -560,7 +559,6 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
-  const int r0 = c.r0, nr = c.nr;
 
   // ---- queries, then the key MMAs' B fragments: lane (g, t) of k-step ks, n-tile nt: q'[4 nt + g / 2][16 ks + 4t ..
   // + 3], part g & 1 ----------------------------------------------------------------------------------------------

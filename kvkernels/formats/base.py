@@ -536,6 +536,8 @@ class QuantizedLayerCache:
         Quantized tokens are never re-quantized: a cut inside a store truncates it, and a cut inside a
         token-group dequantizes that group's kept tokens back into the fp16 tail (module docstring).
         """
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"crop takes an int token count, got {n!r}")
         N = self.seq_len
         if n < 0:
             n = max(N + n, 0)
@@ -574,7 +576,10 @@ class QuantizedLayerCache:
         self.batch = self._sink_k.shape[0]
 
     def _index(self, index) -> torch.Tensor:
-        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        idx = torch.as_tensor(index, device=self.device)
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"index must hold integers, got {str(idx.dtype).removeprefix('torch.')}")
+        idx = idx.long()
         if idx.dim() != 1:
             raise ValueError(f"index must be 1-D, got shape {list(idx.shape)}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch):

@@ -835,7 +835,14 @@ def _layer_factors(factors, idx: int):
     """Layer idx's fixed InnerQ key norm from a per-layer sequence or {layer_idx: tensor} (None: computed)."""
     if factors is None:
         return None
-    return factors.get(idx) if isinstance(factors, Mapping) else factors[idx]
+    if isinstance(factors, Mapping):
+        return factors.get(idx)
+    if idx >= len(factors):
+        raise ValueError(
+            f"key_norm_factors holds {len(factors)} layers' factors but the model has layer {idx}: give one per "
+            "decoder layer, or a {layer_idx: tensor} mapping"
+        )
+    return factors[idx]
 
 
 def _summed(dicts) -> dict[str, int]:
