@@ -83,10 +83,19 @@ def test_reference_kivi_matches_definition(bits, T, H_q):
     torch.testing.assert_close(got, _naive_kivi(x, codes, scales, zeros, bits, 32), rtol=1e-5, atol=1e-4)
 
 
-def test_cpu_dispatch_runs_the_reference():
-    x, codes, scales, zeros = _inner_q_case()
-    want = reference.gemv_inner_q(x, codes, scales, zeros, 3, 32, "hybrid")
-    assert torch.equal(torch.ops.kvkernels.gemv_inner_q(x, codes, scales, zeros, 3, 32, "hybrid"), want)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_cpu_dispatch_runs_the_reference(bits):
+    # the CPU GEMV kernels are the reference's arithmetic, with the C++ dequantizer where the extension has one
+    # (ops._cpu_impl): bit-identical to the reference's, every bit width and mode, sym without zeros, x_scale
+    for mode, G, T, use_xs in (("hybrid", 32, None, False), ("sym", 32, 3, True), ("asym", 96, 1, True)):
+        x, codes, scales, zeros = _inner_q_case(bits=bits, mode=mode, G=G, T=T, seed=bits)
+        zeros = None if mode == "sym" else zeros
+        xs = torch.rand(2, 96, generator=torch.Generator().manual_seed(7)) + 0.5 if use_xs else None
+        want = reference.gemv_inner_q(x, codes, scales, zeros, bits, G, mode, xs)
+        assert torch.equal(torch.ops.kvkernels.gemv_inner_q(x, codes, scales, zeros, bits, G, mode, xs), want)
+    x, codes, scales, zeros = _kivi_case(bits=bits, T=2, seed=bits)
+    want = reference.gemv_kivi(x, codes, scales, zeros, bits, 32)
+    assert torch.equal(torch.ops.kvkernels.gemv_kivi(x, codes, scales, zeros, bits, 32), want)
 
 
 def _opcheck_cases():
