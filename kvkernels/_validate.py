@@ -4,6 +4,8 @@ Each failure names the argument and what was expected: TypeError for dtypes, Val
 Only metadata is inspected (no device sync), so the checks are free to run on every call.
 """
 
+import itertools
+
 import torch
 
 from .reference.lattice import GRID_BITS
@@ -18,12 +20,18 @@ def _fail(op: str, msg: str, exc=ValueError):
     raise exc(f"kvkernels.{op}: {msg}")
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """A Python int that is not a bool (True would pass isinstance(v, int) as 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_number(v) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def check_bits(op: str, bits: int) -> None:
-    if not _is_int(bits) or bits not in SUPPORTED_BITS:
+    if not is_int(bits) or bits not in SUPPORTED_BITS:
         _fail(op, f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
 
 
@@ -33,7 +41,7 @@ def check_mode(op: str, mode: str) -> None:
 
 
 def check_group_size(op: str, group_size: int, length: int, what: str) -> None:
-    if not _is_int(group_size):
+    if not is_int(group_size):
         _fail(op, f"group_size must be an int, got {group_size!r}", TypeError)
     if group_size <= 0 or group_size % BLOCK:
         _fail(op, f"group_size must be a positive multiple of {BLOCK}, got {group_size}")
@@ -195,7 +203,7 @@ def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:
     if x.dim() < 1:
         _fail(op, "x must have at least one dim")
     check_group_size(op, group_size, x.shape[-1], "x.shape[-1]")
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)):
+    if not is_number(eta):
         _fail(op, f"eta must be a float, got {eta!r}", TypeError)
     if not 0.0 <= eta < 0.5:
         _fail(op, f"eta must be in [0, 0.5), got {eta}")
@@ -298,10 +306,9 @@ def check_quantize_into(x, bits, group_size, mode, eta, codes, scales, zeros) ->
     _check_group_params(op, scales, zeros, lead + (L // group_size,), True)
     for name, t in (("codes", codes), ("scales", scales), ("zeros", zeros)):
         check_no_self_overlap(op, name, t)
-    tensors = {"x": x, "codes": codes, "scales": scales, "zeros": zeros}
-    for a, b in (("codes", "scales"), ("codes", "zeros"), ("scales", "zeros"), ("x", "codes"), ("x", "scales"),
-                 ("x", "zeros")):  # fmt: skip
-        check_disjoint(op, a, tensors[a], b, tensors[b])
+    named = (("x", x), ("codes", codes), ("scales", scales), ("zeros", zeros))
+    for (name_a, a), (name_b, b) in itertools.combinations(named, 2):
+        check_disjoint(op, name_a, a, name_b, b)
     check_same_device(op, x=x, codes=codes, scales=scales, zeros=zeros)
 
 

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from ._validate import is_int
+
 SCHEMA = "kvkernels-aqua/1"  # full-rank predictors (what readers before rank files know)
 SCHEMA_LOW_RANK = "kvkernels-aqua/2"  # rank-r files: key.weight / value.weight are [C, r], with key.down / value.down
 # the model config fields a predictor file is bound to (a different value means different K/V statistics or shapes)
@@ -265,7 +267,7 @@ def reduce_rank(
     down = V^T W, bias = b + (W - V V^T W) mu. Among rank-r maps it is the least-squares fit to the full fit's
     predictions on X (float64 inside, fp32 out)."""
     d_out, d_in = W.shape
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and 1 <= rank < min(d_out, d_in)):
+    if not (is_int(rank) and 1 <= rank < min(d_out, d_in)):
         raise ValueError(f"reduce_rank: rank must be an int in [1, {min(d_out, d_in)}), got {rank!r}")
     Xd, Wd, bd = X.double(), W.double(), b.double()
     mu = Xd.mean(0)

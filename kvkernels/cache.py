@@ -15,12 +15,13 @@ ModelKVCache per KVKernelsCache; docs/ARCHITECTURE.md, "Adding a format", shows 
 
 import torch
 
+from ._validate import is_int
 from .formats import format_of
 
 
 def check_num_layers(num_layers) -> None:
     """A model's layer count: a positive int, or None where it is not known (layers are then added as they come)."""
-    if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1):
+    if num_layers is not None and (not is_int(num_layers) or num_layers < 1):
         raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
 
 

@@ -49,6 +49,7 @@ Usage (a decode loop captured once and replayed; tests/test_cuda_kernels.py runs
 import torch
 
 from . import ops, reference
+from ._validate import is_int
 from .attention import _additive_mask
 from .formats.base import QuantizedLayerCache, QuantStore, attention_operands
 
@@ -152,7 +153,7 @@ class StaticLayerCache:
         if (error := static_format_error(cache)) is not None:
             raise ValueError(error)
         for name, val in (("max_tokens", max_tokens), ("step_tokens", step_tokens)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            if not is_int(val) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if cache.seq_len == 0:  # the first write fixes what a format derives from the prompt (InnerQ's key norm)
             raise ValueError("the cache is empty: prefill it (dynamically) before making it static")

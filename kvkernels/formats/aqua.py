@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
+from .._validate import is_int
 from ..attention import _grouped_matmul
 from .base import EffectiveBits, Format, QuantizedLayerCache, SameForBothTensors, check_window
 from .lattice import LATTICE_BITS, LatticeConfig, LatticeStore
@@ -95,7 +96,7 @@ class AquaConfig(SameForBothTensors):
     def __post_init__(self):
         for name in ("bits", "first_layer_bits"):
             val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val not in LATTICE_BITS:
+            if not is_int(val) or val not in LATTICE_BITS:
                 raise ValueError(f"{name} must be one of {LATTICE_BITS}, got {val!r}")
         self.lattice(0)  # the lattice fields (dim, group_size, signs_seed) are checked by LatticeConfig
         self.lattice(1)

@@ -44,6 +44,7 @@ import math
 import torch
 
 from .. import ops
+from .._validate import is_int, is_number
 from ..attention import decode_attention
 
 SUPPORTED_BITS = (1, 2, 3, 4)
@@ -59,7 +60,7 @@ def _round_up(n: int, m: int) -> int:
 
 # -- config field checks, shared by every format's config dataclass ------------------------------------------
 def check_bits(name: str, bits) -> None:
-    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+    if not is_int(bits) or bits not in SUPPORTED_BITS:
         raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
 
 
@@ -69,22 +70,22 @@ def check_mode(name: str, mode) -> None:
 
 
 def check_group_size(group_size) -> None:
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0 or group_size % _BLOCK:
+    if not is_int(group_size) or group_size <= 0 or group_size % _BLOCK:
         raise ValueError(f"group_size must be a positive multiple of {_BLOCK}, got {group_size!r}")
 
 
 def check_window(name: str, w) -> None:
-    if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+    if not is_int(w) or w < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {w!r}")
 
 
 def check_eta(eta) -> None:
-    if not isinstance(eta, (int, float)) or isinstance(eta, bool) or not 0.0 <= eta < 0.5:
+    if not is_number(eta) or not 0.0 <= eta < 0.5:
         raise ValueError(f"eta must be a number in [0, 0.5), got {eta!r}")
 
 
 def check_capacity(capacity) -> None:
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+    if not is_int(capacity) or capacity < 0:
         raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
 
 
@@ -292,7 +293,7 @@ class QuantizedLayerCache:
                 f"got {type(config).__name__}"
             )
         for name, val in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+            if not is_int(val) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         self.format.check_head_dim(config, head_dim)
         check_capacity(capacity)
@@ -536,7 +537,7 @@ class QuantizedLayerCache:
         Quantized tokens are never re-quantized: a cut inside a store truncates it, and a cut inside a
         token-group dequantizes that group's kept tokens back into the fp16 tail (module docstring).
         """
-        if isinstance(n, bool) or not isinstance(n, int):
+        if not is_int(n):
             raise TypeError(f"crop takes an int token count, got {n!r}")
         N = self.seq_len
         if n < 0:

@@ -21,6 +21,7 @@ import torch
 
 from .. import ops
 from .. import reference as ref
+from .._validate import is_int
 from ..attention import _grouped_matmul
 from .base import _BLOCK, EffectiveBits, Format, QuantizedLayerCache, QuantStore, SameForBothTensors, check_window
 from .lattice_grids import grid as published_grid
@@ -66,12 +67,12 @@ class LatticeConfig(SameForBothTensors):
         if self.dim == 4 and self.bits != 2:
             raise ValueError(f"dim=4 has one grid (EDEN4-256, 2 bits per value), got bits={self.bits}")
         G = self.group_size
-        if not isinstance(G, int) or isinstance(G, bool) or not _is_power_of_two(G) or not _BLOCK <= G <= MAX_GROUP:
+        if not is_int(G) or not _is_power_of_two(G) or not _BLOCK <= G <= MAX_GROUP:
             raise ValueError(f"group_size must be a power of two in [{_BLOCK}, {MAX_GROUP}], got {G!r}")
         if not isinstance(self.cross_head, bool):
             raise ValueError(f"cross_head must be a bool, got {self.cross_head!r}")
         seed = self.signs_seed
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        if seed is not None and (not is_int(seed) or seed < 0):
             raise ValueError(f"signs_seed must be None or an int >= 0, got {seed!r}")
         check_window("w_sink", self.w_sink)
         check_window("w_recent", self.w_recent)

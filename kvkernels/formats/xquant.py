@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._validate import is_int
 from .base import (
     EffectiveBits,
     QuantizedLayerCache,
@@ -39,7 +40,7 @@ from .kivi import KIVIFormat
 
 
 def _check_layer_index(name: str, val) -> None:
-    if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+    if not is_int(val) or val < 0:
         raise ValueError(f"{name} must be a layer index >= 0, got {val!r}")
 
 

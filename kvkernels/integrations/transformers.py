@@ -105,6 +105,7 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
     )
 
 from .. import ops
+from .._validate import is_int
 from ..cache import ModelKVCache, check_num_layers
 from ..formats import PRESETS, all_formats, format_of, preset_format
 from ..formats.base import check_capacity
@@ -752,7 +753,7 @@ class KVKernelsStaticCache(Cache):
             raise ValueError(
                 "KVKernelsStaticCache quantizes; for an unquantized static cache use transformers' StaticCache"
             )
-        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 2:
+        if not is_int(max_cache_len) or max_cache_len < 2:
             raise ValueError(f"max_cache_len must be an int >= 2, got {max_cache_len!r}")
         check_capacity(capacity)
         _, num_layers, head_dim = _model_shape(config, num_layers, self.format)
