@@ -14,7 +14,7 @@ EVAL_STAMP := $(VENV)/.kvkernels-eval
 
 .PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench eval eval-quick clean
 
-demo: $(EVAL_STAMP)  # ~5 minutes on 2 idle CPU cores (the first run converts SmolLM2-135M once, ~35 s more)
+demo: $(EVAL_STAMP)  # ~3.5 minutes on 2 idle CPU cores (the first run converts SmolLM2-135M once, ~35 s more)
 	$(PY) -m kvkernels demo
 
 test: $(STAMP)

@@ -13,7 +13,7 @@ Three parts, each printed as a table:
         differs;
      b. the teacher-forced perplexity of each method over --eval-tokens decode steps after --eval-prefill tokens
         of Wikipedia text (quality.evaluate: `make eval-quick`'s first context, fewer steps).
-Options: --device cpu|cuda, --skip-real, --skip-model (parts 1 and 2 only: ~35 s on 2 cores), --new-tokens N,
+Options: --device cpu|cuda, --skip-real, --skip-model (parts 1 and 2 only: ~15 s on 2 cores), --new-tokens N,
 --seq-len N, --eval-prefill P, --eval-tokens T, --article TITLE, --install, --threads N, --no-progress; --help for
 the rest.
 """

@@ -635,8 +635,8 @@ TABLE_NOTE = (
     "value incl. fp16 scales/zeros (formats.effective_bits); stored bits: per K/V value actually held after the "
     "last step, fp16 windows included (counted at 16 bits); ppl over the T teacher-forced decode steps; delta vs "
     "fp16 on the same tokens; KL(p_fp16 || p_method); top-1: argmax equal to fp16's. decode ms/tok: median time "
-    "of one decode forward through the cache (CPU: the GEMVs run the PyTorch reference, which dequantizes every "
-    "store per call; not GPU numbers)."
+    "of one decode forward through the cache (CPU: InnerQ's / KIVI's GEMVs dequantize every store per call, the "
+    "composed attention issues ~100 small ops per layer; not GPU numbers)."
 )
 
 

@@ -669,12 +669,46 @@ def test_compiles_with_fakes():
     torch.testing.assert_close(step(q), reference.gemv_lattice_v(p, codes, norms, g, 32))
 
 
-def test_cpu_dispatch_runs_the_reference():
-    codes, norms, g = lattice_cache(1, 1, 5, 64, 32)
-    q = torch.randn(1, 2, 64)
-    assert torch.equal(
-        torch.ops.kvkernels.gemv_lattice_k(q, codes, norms, g, 32), reference.gemv_lattice_k(q, codes, norms, g, 32)
-    )
+@pytest.mark.parametrize("d, n", GRIDS, ids=GRID_IDS)
+def test_cpu_dispatch_is_bit_identical_to_the_reference(d, n):
+    # the CPU kernels are C++ where the extension is built (csrc/cpu/lattice_cpu.cpp, ops._LATTICE_CPU), else the
+    # reference itself: either way torch.equal, for every op, grid, G, signs or none, fp16 / strided input, a zero
+    # group, T or not
+    g = grid(d, n)
+    cases = ((32, False, (2, 3, 5, 64)), (64, True, (1, 3, 7, 128)), (128, True, (2, 1, 3, 256)))
+    for G, signed, (B, H_kv, N, D) in cases:
+        s = random_signs(G, seed=G) if signed else None
+        gen = _gen(G + d + n)
+        x = torch.randn(B, H_kv, N, D, generator=gen) * (3 * torch.rand(B, H_kv, N, 1, generator=gen))
+        x[0, 0, 0, :G] = 0
+        for xs in (x, x.half(), x.transpose(1, 2)):
+            codes, norms = torch.ops.kvkernels.lattice_quantize(xs, g, G, s)
+            want_codes, want_norms = reference.lattice_quantize(xs, g, G, s)
+            assert torch.equal(codes, want_codes) and torch.equal(norms, want_norms)
+            deq = torch.ops.kvkernels.lattice_dequantize(codes, norms, g, G, s)
+            assert torch.equal(deq, reference.lattice_dequantize(codes, norms, g, G, s))
+            for inverse in (False, True):
+                assert torch.equal(torch.ops.kvkernels.fwht(xs, G, s, inverse), reference.fwht(xs, G, s, inverse))
+        codes, norms = reference.lattice_quantize(x, g, G, s)
+        for t in ((), (3,)):
+            q = torch.randn(B, 3 * H_kv, *t, D, generator=gen)
+            p = torch.rand(B, 3 * H_kv, *t, N, generator=gen)
+            got_k = torch.ops.kvkernels.gemv_lattice_k(q, codes, norms, g, G, s)
+            got_v = torch.ops.kvkernels.gemv_lattice_v(p, codes, norms, g, G, s)
+            assert torch.equal(got_k, reference.gemv_lattice_k(q, codes, norms, g, G, s)) and got_k.is_contiguous()
+            assert torch.equal(got_v, reference.gemv_lattice_v(p, codes, norms, g, G, s)) and got_v.is_contiguous()
+
+
+@pytest.mark.skipif(ops._cpu_impl("lattice_quantize") is reference.lattice_quantize, reason="no C++ CPU kernels")
+def test_cpu_kernels_keep_direct_calls_memory_safe():
+    # kvkernels_cpu::* sit behind the Python checks; called directly they still refuse what would read out of bounds
+    codes, norms, g = lattice_cache(1, 2, 6, 128, 64)
+    with pytest.raises(RuntimeError, match="norms must be"):
+        torch.ops.kvkernels_cpu.gemv_lattice_v(torch.rand(1, 4, 6), codes, norms[:, :1], g, 64)
+    with pytest.raises(RuntimeError, match="group_size"):
+        torch.ops.kvkernels_cpu.lattice_quantize(torch.randn(3, 96), g, 64)
+    with pytest.raises(RuntimeError, match="grid"):
+        torch.ops.kvkernels_cpu.lattice_dequantize(codes, norms, g[:5], 64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

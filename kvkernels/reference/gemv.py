@@ -16,10 +16,12 @@ def _as_4d(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _by_kv_head(xf: torch.Tensor, h_kv: int) -> torch.Tensor:
-    # xf: [B, H_q, T, L] -> [B, H_kv, H_q / H_kv, T, L]: query head h reads KV head h // (H_q / H_kv), so the
-    # query heads of one KV head sit together and broadcast against its weights (never copied per query head)
+    # xf: [B, H_q, T, L] -> [B, H_kv, (H_q / H_kv) * T, L]: query head h reads KV head h // (H_q / H_kv), so the rows
+    # of the query heads of one KV head stack into one matrix and one matmul per KV head serves them all (a
+    # broadcast over a query-head dim instead would make torch.matmul copy the weights per query head: 7x slower
+    # at the demo's decode shapes on CPU)
     B, H_q, T, L = xf.shape
-    return xf.reshape(B, h_kv, H_q // h_kv, T, L)
+    return xf.reshape(B, h_kv, (H_q // h_kv) * T, L)
 
 
 def gemv_inner_q(
@@ -42,12 +44,12 @@ def gemv_inner_q(
     xf = x4.to(torch.float32)  # [B, H_q, T, L]
     B, H_q, T, _ = xf.shape
     H_kv = codes.shape[1]
-    xg = _by_kv_head(xf, H_kv)  # [B, H_kv, gq, T, L]
+    xg = _by_kv_head(xf, H_kv)  # [B, H_kv, gq * T, L]
     if x_scale is not None:
-        xg = xg * x_scale.to(torch.float32)[None, :, None, None, :]  # x_scale: [H_kv, L]
+        xg = xg * x_scale.to(torch.float32)[None, :, None, :]  # x_scale: [H_kv, L]
     w = dequantize(codes, scales, zeros, bits, group_size, mode)  # [B, H_kv, M, L]
     # explicit M, not -1: reshape cannot infer a dim of an empty tensor (B, H_q or T == 0)
-    y = (xg @ w.unsqueeze(2).transpose(-1, -2)).reshape(B, H_q, T, codes.shape[2])  # [B, H_q, T, M]
+    y = (xg @ w.transpose(-1, -2)).reshape(B, H_q, T, codes.shape[2])  # [B, H_q, T, M]
     return y if has_t else y.squeeze(2)
 
 
@@ -65,7 +67,7 @@ def gemv_kivi(
     gemv_inner_q's)."""
     x4, has_t = _as_4d(x)
     B, H_q, T, _ = x4.shape
-    xg = _by_kv_head(x4.to(torch.float32), codes.shape[1])  # [B, H_kv, gq, T, R]
+    xg = _by_kv_head(x4.to(torch.float32), codes.shape[1])  # [B, H_kv, gq * T, R]
     w = dequantize(codes, scales, zeros, bits, group_size, "asym")  # [B, H_kv, R, C]
-    y = (xg @ w.unsqueeze(2)).reshape(B, H_q, T, w.shape[-1])  # [B, H_q, T, C]; explicit C as in gemv_inner_q
+    y = (xg @ w).reshape(B, H_q, T, w.shape[-1])  # [B, H_q, T, C]; explicit C as in gemv_inner_q
     return y if has_t else y.squeeze(2)

@@ -231,12 +231,12 @@ def gemv_lattice_k(
     H_kv, N = codes.shape[1], codes.shape[2]
     groups = D // G
     q_rot = fwht(q4, G, signs)  # [B, H_q, T, D]
-    # the query heads of one KV head sit together: [B, H_kv, H_q / H_kv, T, groups, G]
-    q_rot = q_rot.reshape(B, H_kv, H_q // H_kv, T, groups, G)
-    points = _grid_values(codes, grid, index_bits).reshape(B, H_kv, N, groups, G)  # rotated, unscaled keys
-    dots = torch.einsum("bkqtgi,bkngi->bkqtng", q_rot, points)  # [B, H_kv, H_q / H_kv, T, N, groups]
-    r16 = norms.to(torch.float32)[:, :, None, None]  # [B, H_kv, 1, 1, N, groups]
-    scores = (dots * r16).sum(-1).reshape(B, H_q, T, N)
+    # per KV head and group, one matmul: the rows of its query heads (they sit together) against its tokens
+    q_g = q_rot.reshape(B, H_kv, H_q // H_kv * T, groups, G).transpose(2, 3)  # [B, H_kv, groups, rows, G]
+    points = _grid_values(codes, grid, index_bits)  # [B, H_kv, N, D]: rotated, unscaled keys
+    k_g = points.reshape(B, H_kv, N, groups, G).permute(0, 1, 3, 4, 2)  # [B, H_kv, groups, G, N]
+    r16 = norms.to(torch.float32).permute(0, 1, 3, 2).unsqueeze(3)  # [B, H_kv, groups, 1, N]
+    scores = ((q_g @ k_g) * r16).sum(2).reshape(B, H_q, T, N)
     return (scores if has_t else scores.squeeze(2)).contiguous()
 
 
@@ -262,7 +262,7 @@ def gemv_lattice_v(
     points = _grid_values(codes, grid, index_bits)  # [B, H_kv, N, D]
     D = points.shape[-1]
     scaled = (points.reshape(B, H_kv, N, D // G, G) * norms.to(torch.float32).unsqueeze(-1)).reshape(B, H_kv, N, D)
-    pg = _by_kv_head(p4.to(torch.float32), H_kv)  # [B, H_kv, H_q / H_kv, T, N]
-    acc = pg @ scaled.unsqueeze(2)  # [B, H_kv, H_q / H_kv, T, D]: sum_n p[n] r16[n] grid[c_n], still rotated
+    pg = _by_kv_head(p4.to(torch.float32), H_kv)  # [B, H_kv, H_q / H_kv * T, N]
+    acc = pg @ scaled  # [B, H_kv, H_q / H_kv * T, D]: sum_n p[n] r16[n] grid[c_n], still rotated
     out = fwht(acc.reshape(B, H_q, T, D), G, signs, inverse=True)
     return (out if has_t else out.squeeze(2)).contiguous()
