@@ -131,28 +131,23 @@ def fused_attention_takes(device: torch.device, head_dim: int) -> bool:
     return True
 
 
-# Ops whose CPU kernel is C++ behind the Python checks where the extension is built: csrc/cpu/lattice_cpu.cpp registers
-# them as kvkernels_cpu::<op> (bit-identical to the reference, tests/test_lattice.py; its own checks only keep a
-# direct call memory-safe). One token of 3 KV heads x 64 quantizes in ~1.3 ms through the reference's ~100 PyTorch ops.
-_LATTICE_CPU = ("fwht", "lattice_quantize", "lattice_dequantize", "gemv_lattice_k", "gemv_lattice_v")
+# Ops whose CPU kernel is C++ behind the Python checks where the extension is built: csrc/cpu/lattice_cpu.cpp and
+# csrc/cpu/gemv_cpu.cpp register them as kvkernels_cpu::<op>, bit-identical to the reference (tests/test_lattice.py,
+# tests/test_ops.py; their own checks only keep a direct call memory-safe). The lattice ops run their fixed-order
+# steps as C++ loops (one decode token of 3 KV heads x 64 quantizes in ~0.07 ms against the reference's ~1.3 ms of
+# ~100 small PyTorch ops); the GEMVs are the reference's ATen calls with the C++ dequantizer, without its Python.
+_CPP_CPU = ("fwht", "lattice_quantize", "lattice_dequantize", "gemv_lattice_k", "gemv_lattice_v", "gemv_inner_q",
+            "gemv_kivi")  # fmt: skip
 
 
 def _cpu_impl(op: str):
-    """The Python CPU kernel of an op C++ does not implement: the reference; for the GEMVs, the reference with the C++
-    dequantizer where the extension has it (bit-identical to the reference's, tests/test_ops.py; the GEMV's own
-    arithmetic stays the reference's). At the demo's decode shapes (3 KV heads x 224 tokens x 64, 3 bits) the C++
-    dequantizer takes 175 us against the PyTorch one's 506, the GEMV 502 against 817 us (2 cores): `make demo` and
-    `make eval` run these kernels on every decode step."""
+    """The Python CPU kernel of an op C++ does not implement as a public CPU kernel: the private C++ one of _CPP_CPU
+    where the extension has it (`make demo` and `make eval` run these on every decode step), else the reference."""
     if op in _PY_ONLY:
         return _PY_ONLY[op]
-    if op in _LATTICE_CPU and hasattr(torch.ops, "kvkernels_cpu") and hasattr(torch.ops.kvkernels_cpu, op):
+    if op in _CPP_CPU and hasattr(torch.ops.kvkernels_cpu, op):
         return getattr(torch.ops.kvkernels_cpu, op).default
-    fn = getattr(reference, op)
-    if op in ("gemv_inner_q", "gemv_kivi") and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "kvkernels::dequantize_groups", "CPU"
-    ):
-        return functools.partial(fn, dequantize=torch.ops.kvkernels.dequantize_groups.default)
-    return fn
+    return getattr(reference, op)
 
 
 def _register() -> None:

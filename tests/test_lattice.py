@@ -671,7 +671,7 @@ def test_compiles_with_fakes():
 
 @pytest.mark.parametrize("d, n", GRIDS, ids=GRID_IDS)
 def test_cpu_dispatch_is_bit_identical_to_the_reference(d, n):
-    # the CPU kernels are C++ where the extension is built (csrc/cpu/lattice_cpu.cpp, ops._LATTICE_CPU), else the
+    # the CPU kernels are C++ where the extension is built (csrc/cpu/lattice_cpu.cpp, ops._CPP_CPU), else the
     # reference itself: either way torch.equal, for every op, grid, G, signs or none, fp16 / strided input, a zero
     # group, T or not
     g = grid(d, n)

@@ -85,8 +85,9 @@ def test_reference_kivi_matches_definition(bits, T, H_q):
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_cpu_dispatch_runs_the_reference(bits):
-    # the CPU GEMV kernels are the reference's arithmetic, with the C++ dequantizer where the extension has one
-    # (ops._cpu_impl): bit-identical to the reference's, every bit width and mode, sym without zeros, x_scale
+    # the CPU GEMV kernels are the reference's ATen ops in C++ with the C++ dequantizer where the extension is built
+    # (csrc/cpu/gemv_cpu.cpp, ops._cpu_impl): bit-identical to the reference, every bit width and mode, sym without
+    # zeros, x_scale
     for mode, G, T, use_xs in (("hybrid", 32, None, False), ("sym", 32, 3, True), ("asym", 96, 1, True)):
         x, codes, scales, zeros = _inner_q_case(bits=bits, mode=mode, G=G, T=T, seed=bits)
         zeros = None if mode == "sym" else zeros

@@ -33,13 +33,8 @@ def gemv_inner_q(
     group_size: int,
     mode: str,
     x_scale: torch.Tensor | None = None,
-    *,
-    dequantize=dequantize_groups,
 ) -> torch.Tensor:
-    """y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes)[b, h_kv, m, l]  (fp32).
-
-    dequantize: the dequantizer (dequantize_groups' signature and results); kvkernels.ops passes the C++ CPU one,
-    bit-identical and faster, when it serves the op on CPU."""
+    """y[b, h, t, m] = sum_l x[b, h, t, l] * x_scale[h_kv, l] * deq(codes)[b, h_kv, m, l]  (fp32)."""
     x4, has_t = _as_4d(x)
     xf = x4.to(torch.float32)  # [B, H_q, T, L]
     B, H_q, T, _ = xf.shape
@@ -47,7 +42,7 @@ def gemv_inner_q(
     xg = _by_kv_head(xf, H_kv)  # [B, H_kv, gq * T, L]
     if x_scale is not None:
         xg = xg * x_scale.to(torch.float32)[None, :, None, :]  # x_scale: [H_kv, L]
-    w = dequantize(codes, scales, zeros, bits, group_size, mode)  # [B, H_kv, M, L]
+    w = dequantize_groups(codes, scales, zeros, bits, group_size, mode)  # [B, H_kv, M, L]
     # explicit M, not -1: reshape cannot infer a dim of an empty tensor (B, H_q or T == 0)
     y = (xg @ w.transpose(-1, -2)).reshape(B, H_q, T, codes.shape[2])  # [B, H_q, T, M]
     return y if has_t else y.squeeze(2)
@@ -60,14 +55,11 @@ def gemv_kivi(
     zeros: torch.Tensor,
     bits: int,
     group_size: int,
-    *,
-    dequantize=dequantize_groups,
 ) -> torch.Tensor:
-    """y[b, h, t, c] = sum_r x[b, h, t, r] * deq(codes)[b, h_kv, r, c]  (fp32), asym groups along c (dequantize: as
-    gemv_inner_q's)."""
+    """y[b, h, t, c] = sum_r x[b, h, t, r] * deq(codes)[b, h_kv, r, c]  (fp32), asym groups along c."""
     x4, has_t = _as_4d(x)
     B, H_q, T, _ = x4.shape
     xg = _by_kv_head(x4.to(torch.float32), codes.shape[1])  # [B, H_kv, gq * T, R]
-    w = dequantize(codes, scales, zeros, bits, group_size, "asym")  # [B, H_kv, R, C]
+    w = dequantize_groups(codes, scales, zeros, bits, group_size, "asym")  # [B, H_kv, R, C]
     y = (xg @ w).reshape(B, H_q, T, w.shape[-1])  # [B, H_q, T, C]; explicit C as in gemv_inner_q
     return y if has_t else y.squeeze(2)
