@@ -99,6 +99,21 @@ def test_cpu_dispatch_runs_the_reference(bits):
     assert torch.equal(torch.ops.kvkernels.gemv_kivi(x, codes, scales, zeros, bits, 32), want)
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.kvkernels_cpu, "gemv_inner_q"), reason="no C++ CPU GEMV kernels")
+def test_cpu_gemv_kernels_keep_direct_calls_memory_safe():
+    # kvkernels_cpu::gemv_* sit behind the Python checks; called directly they still refuse mismatched operands
+    x, codes, scales, zeros = _inner_q_case()
+    with pytest.raises(RuntimeError, match="do not match x"):
+        torch.ops.kvkernels_cpu.gemv_inner_q(x[..., :64], codes, scales, zeros, 3, 32, "hybrid")
+    with pytest.raises(RuntimeError, match="H_q a multiple"):
+        torch.ops.kvkernels_cpu.gemv_inner_q(x[:, :3], codes, scales, zeros, 3, 32, "hybrid")
+    with pytest.raises(ValueError, match="scales must have shape"):  # the C++ dequantizer's own check
+        torch.ops.kvkernels_cpu.gemv_inner_q(x, codes, scales[:, :, :5], zeros[:, :, :5], 3, 32, "hybrid")
+    kx, kcodes, kscales, kzeros = _kivi_case()
+    with pytest.raises(RuntimeError, match="do not match x"):
+        torch.ops.kvkernels_cpu.gemv_kivi(kx[..., :32], kcodes, kscales, kzeros, 2, 32)
+
+
 def _opcheck_cases():
     x, codes, scales, zeros = _inner_q_case(T=2)
     kx, kcodes, kscales, kzeros = _kivi_case()

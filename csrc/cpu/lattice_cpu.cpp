@@ -76,6 +76,13 @@ void rotate(float* v, int G, const std::vector<float>& s, float scale, bool inve
     for (int i = 0; i < G; ++i) v[i] = v[i] * s[i];
 }
 
+// sum_k a[k] * b[k], k = 0 .. d - 1 left to right, each product rounded: the reference's _dot_in_order
+float dot_in_order(const float* a, const float* b, int d) {
+  float total = a[0] * b[0];
+  for (int k = 1; k < d; ++k) total = total + a[k] * b[k];
+  return total;
+}
+
 // The fp32 grid points the int32 codes [rows, W] name, into out [rows, W * 32 / bits] (still rotated, unscaled).
 void grid_values(const int32_t* codes, int64_t rows, int64_t W, const Grid& g, float* out) {
   const int64_t blocks_per_row = W / g.bits, per_block = kBlock / g.d;
@@ -127,13 +134,8 @@ std::tuple<at::Tensor, at::Tensor> lattice_quantize(const at::Tensor& x, const a
   const float* src = xf.data_ptr<float>();
   const float* rp = r.data_ptr<float>();
   uint32_t* dst = reinterpret_cast<uint32_t*>(codes.data_ptr<int32_t>());
-  std::vector<float> sq(g.n);  // |grid[c]|^2, summed in order
-  for (int c = 0; c < g.n; ++c) {
-    const float* p = g.points.data() + c * g.d;
-    float t = p[0] * p[0];
-    for (int k = 1; k < g.d; ++k) t = t + p[k] * p[k];
-    sq[c] = t;
-  }
+  std::vector<float> sq(g.n);  // |grid[c]|^2
+  for (int c = 0; c < g.n; ++c) sq[c] = dot_in_order(g.points.data() + c * g.d, g.points.data() + c * g.d, g.d);
   const float scale = inv_sqrt(G);
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> u(G);
@@ -149,10 +151,7 @@ std::tuple<at::Tensor, at::Tensor> lattice_quantize(const at::Tensor& x, const a
           float best = -std::numeric_limits<float>::infinity();
           uint32_t best_c = 0;
           for (int c = 0; c < g.n; ++c) {  // argmax of 2 <u_j, grid[c]> - |grid[c]|^2, first maximum, NaN never wins
-            const float* p = g.points.data() + c * g.d;
-            float dot = uj[0] * p[0];
-            for (int k = 1; k < g.d; ++k) dot = dot + uj[k] * p[k];
-            const float score = 2.0f * dot - sq[c];
+            const float score = 2.0f * dot_in_order(uj, g.points.data() + c * g.d, g.d) - sq[c];
             if (score > best) {
               best = score;
               best_c = static_cast<uint32_t>(c);
@@ -180,25 +179,33 @@ at::Tensor points_of(const at::Tensor& codes, const Grid& g, const char* op) {
   return points;
 }
 
+// r16 * grid[c] for every value of codes [..., W], one norm per group of G values: fp32 [..., W * 32 / bits],
+// still rotated (what lattice_dequantize and gemv_lattice_v transform back)
+at::Tensor scaled_points(const at::Tensor& codes, const at::Tensor& norms, const Grid& g, int64_t G, const char* op) {
+  at::Tensor v = points_of(codes, g, op);
+  check_group_size(G, v.size(-1), op);
+  const int64_t groups = v.numel() / G;
+  TORCH_CHECK(norms.numel() == groups, "kvkernels_cpu.", op, ": norms must be one value per group of codes");
+  const at::Tensor nf = norms.to(at::kFloat).contiguous();
+  const float* np = nf.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  at::parallel_for(0, groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t grp = begin; grp < end; ++grp)
+      for (int64_t i = 0; i < G; ++i) vp[grp * G + i] = vp[grp * G + i] * np[grp];
+  });
+  return v;
+}
+
 at::Tensor lattice_dequantize(const at::Tensor& codes, const at::Tensor& norms, const at::Tensor& grid,
                               int64_t group_size, const std::optional<at::Tensor>& signs) {
   const char* op = "lattice_dequantize";
-  const Grid g = grid_of(grid, op);
-  at::Tensor out = points_of(codes, g, op);
-  const int64_t G = group_size, groups = out.numel() / std::max<int64_t>(G, 1);
-  check_group_size(G, out.size(-1), op);
-  TORCH_CHECK(norms.numel() == groups, "kvkernels_cpu.", op, ": norms must hold one value per group");
-  const std::vector<float> s = signs_of(signs, G, op);
-  const at::Tensor nf = norms.to(at::kFloat).contiguous();
-  const float* np = nf.data_ptr<float>();
+  at::Tensor out = scaled_points(codes, norms, grid_of(grid, op), group_size, op);
+  const std::vector<float> s = signs_of(signs, group_size, op);
   float* v = out.data_ptr<float>();
+  const int G = static_cast<int>(group_size);
   const float scale = inv_sqrt(G);
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t grp = begin; grp < end; ++grp) {
-      float* vg = v + grp * G;
-      for (int64_t i = 0; i < G; ++i) vg[i] = vg[i] * np[grp];  // r16 * grid[c]
-      rotate(vg, static_cast<int>(G), s, scale, true);
-    }
+  at::parallel_for(0, out.numel() / G, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t grp = begin; grp < end; ++grp) rotate(v + grp * G, G, s, scale, true);
   });
   return out;
 }
@@ -245,21 +252,11 @@ at::Tensor gemv_lattice_v(const at::Tensor& p, const at::Tensor& codes, const at
   const auto [p4, has_t, g] = gemv_input(p, codes, norms, grid, op);
   const int64_t B = p4.size(0), H_q = p4.size(1), T = p4.size(2), N = p4.size(3);
   const int64_t H_kv = codes.size(1), G = group_size;
-  TORCH_CHECK(codes.size(2) == N && norms.size(2) == N, "kvkernels_cpu.", op, ": codes / norms do not match p");
-  at::Tensor scaled = points_of(codes, g, op);  // [B, H_kv, N, D]
-  const int64_t D = scaled.size(3);
+  const int64_t D = codes.size(3) / g.bits * kBlock;
   check_group_size(G, D, op);
-  TORCH_CHECK(norms.sizes() == at::IntArrayRef({B, H_kv, N, D / G}), "kvkernels_cpu.", op,
-              ": norms must be [B, H_kv, N, D / G]");
-  {
-    const at::Tensor nf = norms.to(at::kFloat).contiguous();
-    const float* np = nf.data_ptr<float>();
-    float* v = scaled.data_ptr<float>();
-    at::parallel_for(0, scaled.numel() / G, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t grp = begin; grp < end; ++grp)
-        for (int64_t i = 0; i < G; ++i) v[grp * G + i] = v[grp * G + i] * np[grp];  // r16 * grid[c]
-    });
-  }
+  TORCH_CHECK(codes.size(2) == N && norms.sizes() == at::IntArrayRef({B, H_kv, N, D / G}),
+              "kvkernels_cpu.", op, ": norms must be [B, H_kv, N, D / G] with codes [B, H_kv, N, D * bits / 32]");
+  const at::Tensor scaled = scaled_points(codes, norms, g, G, op);  // [B, H_kv, N, D]
   const at::Tensor pg = p4.to(at::kFloat).reshape({B, H_kv, H_q / H_kv * T, N});
   const at::Tensor acc = at::matmul(pg, scaled);  // [B, H_kv, H_q / H_kv * T, D], still rotated
   at::Tensor out = fwht(acc.reshape({B, H_q, T, D}), G, signs, true);
