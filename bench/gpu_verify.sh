@@ -307,8 +307,9 @@ if want planner; then
   # InnerQ cp.async ring (KVKERNELS_GEMV_RING=0) and today's, same machine, same grid
   stage "planner (KVKERNELS_GEMV_PLANNER=v1 + KVKERNELS_GEMV_RING=0 vs KVKERNELS_GEMV_RING=0 vs current)"
   # hd64-*: head_dim 64 (llama-3.2-1b's shape), where InnerQ keys take the ring's half-chunk tiles: ring off, one tile
-  # per ring item (KVKERNELS_GEMV_RING64=0), two (today's). The rings' A/B first, the first run's planner (v1) last:
-  # the stage gets what the budget has left
+  # per ring item (KVKERNELS_GEMV_RING64=0), two (today's); kivi2's values there (64-column stores) take two-k-step
+  # ring items since 2026-11-28 (hd64-noring is their register-load A/B). The rings' A/B first, the first run's
+  # planner (v1) last: the stage gets what the budget has left
   # lattice2 rides along in noring / current / hd64-*: KVKERNELS_GEMV_RING=0 also turns off the lattice keys' ring
   # (2026-11-27; its values' k-step batches have no switch)
   # triton: the Triton GEMVs' tiles of 2026-11-27 (whole rows a thread, stacked value tiles; KIVI dequantized to fp16

@@ -503,7 +503,8 @@ def bytes_per_iteration(s: Spec, group_size: int = 32) -> float:
     if s.family == "lattice_v":  # one k-step: 16 tokens x the warp's DW channels, their norms (at the preset G)
         return 16 * (s.dim * s.bits / 8 + 2 * (1 if s.norms_in_b else max(1, s.dim // LATTICE_PRESET_G)))
     cols = 8 * s.cpl  # KIVI: 16 rows (one k-step) x the warp's column tile; scale + zero per group of columns
-    return 16 * (cols * s.bits / 8 + 4 * cols / group_size)
+    steps = 2 if s.ring and s.cpl == 8 else 1  # a 64-column store's ring item is two k-steps (gemv_kivi.cu)
+    return steps * 16 * (cols * s.bits / 8 + 4 * cols / group_size)
 
 
 def lattice_units(s: Spec, hmma: int) -> int:
@@ -576,9 +577,11 @@ KNOWN_OVER: dict[tuple, float] = {
     # latency-bound at 40 % (8 KB in flight per SM); the ring's shared-memory reads add ~8 / ~12 instructions a step
     ("kivi", 1, "asym", 4, 16, "steady state"): 11.1,
     ("kivi", 1, "asym", 8, 16, "steady state"): 12.5,
-    ("kivi", 1, "asym", 4, 8, "steady state"): 13.6,  # 13.3 until the staging passes changed the allocation
-    ("kivi", 1, "asym", 8, 8, "steady state"): 14.9,
-    ("kivi", 2, "asym", 8, 8, "steady state"): 10.3,
+    # 64-column value stores (head_dim 64) through the ring's two-k-step items since 2026-11-28: 13.5 / 14.6 with
+    # register loads, latency-bound at 20 % (4 KB in flight per SM), now 11.8 / 13.9 at 94 / 80 %; 2 bits at 8 rows
+    # went 10.0 (30 %) -> 9.8 (100 %)
+    ("kivi", 1, "asym", 4, 8, "steady state"): 11.9,
+    ("kivi", 1, "asym", 8, 8, "steady state"): 14.0,
     # decode_attention_fused's store tiles (family, key bits, mode, value bits, mode, query rows, head_dim, loop): one
     # warp step of 64 tokens (32 at 8 rows x head_dim 128) decodes keys and values (3 bits: 2 instructions per value)
     # and adds the online softmax, the p staging and the rescale of the accumulators, which the GEMVs do not have; at
@@ -663,8 +666,8 @@ def is_preset(s: Spec, arch: str) -> bool:
         return True
     if s.family in ATTN_TILES:  # instantiated for the InnerQ / KIVI presets' (bits, mode) pairs only
         return True
-    # the presets' stores meet kivi_ring_ok at 16 columns per lane; 64-column value stores (8) keep register loads
-    return s.bits in PRESET_KIVI and (s.ring if s.cpl == 16 else True)
+    # the presets' stores meet kivi_ring_ok: 16 columns per lane, and the 64-column value stores (8: head_dim 64)
+    return s.bits in PRESET_KIVI and s.ring
 
 
 def in_flight(m: dict, k: Kernel, loop: Loop, bytes_per_iter: float, ctas: int, threads: int) -> None:

@@ -78,7 +78,7 @@ SHAPES = {
     s.name: s
     for s in (
         ModelShape("llama-3.1-8b", h_q=32, h_kv=8, d=128),
-        # head_dim 64: InnerQ keys take the GEMV's half-chunk ring item there (L = 64), KIVI values 64-column tiles
+        # head_dim 64: InnerQ keys take the GEMV's half-chunk ring item there (L = 64), KIVI values 64-column ring items
         ModelShape("llama-3.2-1b", h_q=32, h_kv=8, d=64),
         ModelShape("smollm2-135m", h_q=9, h_kv=3, d=64),  # the quality eval's model (docs/QUALITY.md): GQA 3
     )

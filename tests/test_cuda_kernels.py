@@ -285,10 +285,12 @@ def test_kivi_views(bits, T, narrow, misalign):
 def test_kivi_ring_and_register_loads(bits, ring, monkeypatch):
     # the caches' layout (G = 32, rows padded to 4 elements) takes the cp.async ring unless switched off: keys of 992
     # tokens (a last column tile of 96, zero-filled past C), values of 1000 tokens at batch 2 (split R, a partial last
-    # k-step), 12 query rows (two passes)
+    # k-step), 12 query rows (two passes), values at head_dim 64 (the two-k-step items of 64-column stores; 693
+    # tokens: an odd whole k-step left to the registers in some warps)
     if not ring:
         monkeypatch.setenv("KVKERNELS_GEMV_RING", "0")
-    for B, H_q, H_kv, T, R, C in ((1, 8, 2, None, 128, 992), (2, 8, 2, 1, 1000, 128), (1, 12, 1, None, 600, 128)):
+    shapes = ((1, 8, 2, None, 128, 992), (2, 8, 2, 1, 1000, 128), (1, 12, 1, None, 600, 128), (2, 8, 2, 1, 693, 64))
+    for B, H_q, H_kv, T, R, C in shapes:
         _kivi_case(B, H_q, H_kv, T, R, C, bits, 32, torch.float16, narrow=False, seed=R + C, cache_rows=True)
 
 

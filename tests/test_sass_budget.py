@@ -140,11 +140,15 @@ def test_spec_and_bytes_of_the_gemv_names():
     assert (k.family, k.bits, k.cpl, k.query_rows, k.vec, k.ring) == ("kivi", 2, 16, 4, False, False)
     kr = sb.spec_of("void kvk::(anonymous namespace)::gemv_kivi_kernel<1, 2, 16, 2>(...)")
     assert (kr.bits, kr.query_rows, kr.vec, kr.ring) == (1, 8, True, True)
-    # the presets' rows: the ring at 16 columns per lane, the register loads at 8 (head_dim 64 values)
+    # the presets' rows: the ring, at 16 columns per lane and at 8 (head_dim 64 values)
+    k8, k8r = sb.spec_of("gemv_kivi_kernel<2, 1, 8, 0>"), sb.spec_of("gemv_kivi_kernel<2, 1, 8, 2>")
     assert sb.is_preset(kr, "90") and not sb.is_preset(k, "90")
-    assert sb.is_preset(sb.spec_of("gemv_kivi_kernel<2, 1, 8, 0>"), "90")
+    assert sb.is_preset(k8r, "90") and not sb.is_preset(k8, "90")
     # 16 rows x 128 columns x 2 bits + 4 groups x (scale + zero) per row
     assert sb.bytes_per_iteration(k) == 16 * (128 * 2 / 8 + 4 * 4)
+    # 64 columns: a register-load iteration is one k-step, a ring item two
+    assert sb.bytes_per_iteration(k8) == 16 * (64 * 2 / 8 + 2 * 4)
+    assert sb.bytes_per_iteration(k8r) == 2 * sb.bytes_per_iteration(k8)
 
 
 def test_spec_and_bytes_of_the_lattice_gemvs():

@@ -14,9 +14,10 @@
 // wave (combine_splits then sums the splits in a fixed order). Planning is a pure function of the params and the
 // device's occupancy (plan_kivi), shared with the binding's workspace sizing.
 //
-// A k-step's codes, scales and zeros reach the registers in one of two ways. With 16 columns per lane, G = 32,
-// 16-byte aligned code rows and 8-byte aligned scale / zero rows (what the caches allocate: kivi_ring_ok), a per-warp
-// cp.async ring (kvkernels/code_ring.cuh) keeps the warp's next 2-5 k-steps in flight while it computes one; else
+// A k-step's codes, scales and zeros reach the registers in one of two ways. With G = 32, and code / scale / zero rows
+// aligned to the ring's pieces (16 / 8 / 8 bytes at 16 columns per lane, 8 / 4 / 4 at 8 for a 64-column store: what
+// the caches allocate, kivi_ring_ok), a per-warp cp.async ring (kvkernels/code_ring.cuh) keeps the warp's next 2-11
+// k-steps in flight while it computes one; else
 // each thread loads its rows' words straight into registers, one k-step at a time (the first GPU run measured that
 // form at 10-28 % of the fp16 read rate on split R: one k-step in flight per warp).
 #include <cuda_runtime.h>
@@ -53,18 +54,46 @@ struct KiviLaunch {
 };
 
 // ---- the code ring (kvkernels/code_ring.cuh) ----------------------------------------------------------------------
-// An item is one k-step of the warp: 16 rows x its 128 columns (16 x BITS bytes of codes per row, the row's 4 scales
-// and 4 zeros as 8 bytes each). Lanes copy code pieces lane and lane + 32 of the 16 x BITS (row pc / BITS, bytes
-// 16 (pc % BITS) ..), lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16. In the last
-// column tile of a store whose C is not a multiple of 128, a piece copies only its bytes before column C and
-// zero-fills the rest (a piece wholly past C reads nothing): those columns decode to 0 and are never stored.
+// A k-step's slot: 16 rows x the warp's 8 * CPL columns, CPL x BITS bytes of codes per row (rows padded to
+// kivi_row_bytes), then each row's CPL / 4 scales (CPL / 2 bytes), then as many zeros. Readers take rows 4t .. 4t + 3
+// at the lane's word: at 128 columns (ring_row_bytes) a 2-way bank conflict, the least a 16-byte-multiple pad allows;
+// at 64 (lanes g read words BITS (g / 4) + (g % 4) BITS / 4; 3 bits {0, 1, 3, 4} and {2, 5}) 8 more bytes at 2 and 4
+// bits and none at 1 and 3 is conflict-free at every width.
+//
+// A ring item is one k-step of 128 columns (KiviRingStream), or two k-steps of a 64-column store (head_dim-64 values,
+// KiviRing64Stream): the same bytes, so the same stages keep the same bytes in flight, and the per-item work (the
+// copies' addresses, the wait, the rotation) is paid once per 16 rows x 128 columns either way.
+__host__ __device__ constexpr int kivi_row_bytes(int bits, int cpl) {
+  return cpl == 16 ? ring_row_bytes(bits) : 8 * bits + (bits % 2 == 0 ? 8 : 0);
+}
+__host__ __device__ constexpr int kivi_step_bytes(int bits, int cpl) {
+  return 16 * kivi_row_bytes(bits, cpl) + 16 * cpl;  // codes, then 16 x CPL / 2 bytes of scales and of zeros
+}
+__host__ __device__ constexpr int kivi_ring_steps(int cpl) { return cpl == 16 ? 1 : 2; }  // k-steps per item
+__host__ __device__ constexpr int kivi_ring_warp_bytes(int bits, int cpl) {
+  return ring_stages(bits) * kivi_ring_steps(cpl) * kivi_step_bytes(bits, cpl);
+}
+
+template <int BITS, int CPL>
+struct KiviSlot {
+  static_assert(CPL == 16 || CPL == 8, "the ring's k-steps are 128 or 64 columns");
+  static constexpr int kMeta = CPL / 2;               // a row's CPL / 4 scales (or zeros)
+  static constexpr int kRow = kivi_row_bytes(BITS, CPL);
+  static constexpr int kCode = 16 * kRow;             // the codes (16 rows), then 16 x kMeta scales,
+  static constexpr int kZeroAt = kCode + 16 * kMeta;  // then 16 x kMeta zeros
+  static constexpr int kBytes = kZeroAt + 16 * kMeta;
+  static_assert(kBytes == kivi_step_bytes(BITS, CPL) && kBytes % 16 == 0, "slot layout");
+};
+
+// 128 columns: lanes copy code pieces lane and lane + 32 of the 16 x BITS (16 bytes: row pc / BITS, bytes
+// 16 (pc % BITS) ..), lanes 0-15 the scales of row `lane`, lanes 16-31 the zeros of row lane - 16 (8 bytes each). In
+// the last column tile of a store whose C is not a multiple of 128, a piece copies only its bytes before column C
+// and zero-fills the rest (a piece wholly past C reads nothing): those columns decode to 0 and are never stored.
 template <int BITS>
-struct KiviRingStream {
-  static constexpr int kStages = ring_stages(BITS), kSlot = ring_slot_bytes(BITS, true);
-  static constexpr int kMeta = 8;                         // a row's 4 scales (or zeros): 8 bytes
-  static constexpr int kCode = ring_code_bytes(BITS);     // the codes (16 rows), then 16 x kMeta scales,
-  static constexpr int kZeroAt = kCode + 16 * kMeta;      // then 16 x kMeta zeros
-  static_assert(kZeroAt + 16 * kMeta == kSlot, "slot layout");
+struct KiviRingStream : KiviSlot<BITS, 16> {
+  using Slot = KiviSlot<BITS, 16>;
+  static constexpr int kStages = ring_stages(BITS), kSlot = Slot::kBytes;
+  static_assert(kSlot == ring_slot_bytes(BITS, true), "slot layout");
   const char* c0;
   const char* c1;
   const char* m;
@@ -104,7 +133,7 @@ __device__ __forceinline__ KiviRingStream<BITS> kivi_ring_stream(char* ring, int
     const char* row = reinterpret_cast<const char*>(c_tile + (row0 + r) * c_sr);
     bytes = static_cast<uint32_t>(min(max(valid - kb, 0), 16));
     src = bytes > 0 ? row + kb : row;  // a piece past C reads nothing; its address stays inside the row
-    off = r * ring_row_bytes(BITS) + kb;
+    off = r * st.kRow + kb;
   };
   st.has0 = lane < kPieces;
   st.has1 = lane + 32 < kPieces;
@@ -123,49 +152,92 @@ __device__ __forceinline__ KiviRingStream<BITS> kivi_ring_stream(char* ring, int
   return st;
 }
 
-// Where a lane reads in a slot: row 4t's word(s) of the lane's columns and its scale of group g / 2 (its zero
-// kZeroAt - kCode bytes on); rows 4t + 1 .. 4t + 3 follow at fixed strides. Computed once per stream, so an item
+// A 64-column store (C = 64 exactly: no partial tile): an item is the warp's k-steps i and i + 1 of its rows (rows
+// row0 + 32 rw i' .. and 16 rw further), one KiviSlot<BITS, 8> each. Its 2 x 16 x BITS code pieces are 8 bytes (row r
+// of k-step h = pc / (16 BITS): pc % (16 BITS) / BITS, bytes 8 (pc % BITS) ..), BITS per lane; its 2 x 16 scale and
+// zero rows are 4-byte pieces, two per lane (lane & 15 the row, lane < 16 scales, k the k-step).
+template <int BITS>
+struct KiviRing64Stream : RingCopies<BITS, 8, 2, 4> {
+  using Slot = KiviSlot<BITS, 8>;
+  static constexpr int kStages = ring_stages(BITS), kSlot = 2 * Slot::kBytes;
+};
+
+template <int BITS>
+__device__ __forceinline__ KiviRing64Stream<BITS> kivi_ring64_stream(char* ring, int n, int64_t row0, int rw,
+                                                                     const uint32_t* c_tile, int64_t c_sr,
+                                                                     const uint16_t* s_tile, int64_t s_sr,
+                                                                     const uint16_t* z_tile, int64_t z_sr,
+                                                                     int lane) {
+  using Stream = KiviRing64Stream<BITS>;
+  Stream st;
+  st.ring = ring;
+  st.n = n;
+  const char* codes = reinterpret_cast<const char*>(c_tile);
+#pragma unroll
+  for (int k = 0; k < BITS; ++k) {
+    const int pc = lane + 32 * k, h = pc / (16 * BITS), rest = pc - h * 16 * BITS;
+    const int r = rest / BITS, kb = 8 * (rest - r * BITS);
+    st.has[k] = true;  // 32 BITS pieces: every lane copies BITS
+    st.c[k] = codes + ((row0 + 16 * rw * h + r) * c_sr) * 4 + kb;
+    st.o[k] = h * Stream::Slot::kBytes + r * Stream::Slot::kRow + kb;
+  }
+  st.dc = 32 * rw * c_sr * 4;
+  const int r = lane & 15;
+  const bool scales = lane < 16;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int64_t row = row0 + 16 * rw * k + r;
+    st.hasm[k] = true;
+    st.m[k] = reinterpret_cast<const char*>(scales ? s_tile + row * s_sr : z_tile + row * z_sr);
+    st.dm[k] = 32 * rw * (scales ? s_sr : z_sr) * 2;
+    using Slot = typename Stream::Slot;
+    st.om[k] = k * Slot::kBytes + (scales ? Slot::kCode : Slot::kZeroAt) + Slot::kMeta * r;
+  }
+  return st;
+}
+
+// Where a lane reads in a k-step's slot: row 4t's word(s) of the lane's columns and its scale of group g CPL / 32 (its
+// zero kZeroAt - kCode bytes on); rows 4t + 1 .. 4t + 3 follow at fixed strides. Computed once per stream, so an item
 // costs immediate offsets.
 struct KiviRingLane {
   int code, hcode;  // bytes: the (low-plane) word, the high-plane word (3 bits)
   int meta;
 };
 
-template <int BITS>
+template <int BITS, int CPL>
 __device__ __forceinline__ KiviRingLane kivi_ring_lane(int g, int t) {
-  const LaneSlot sl = lane_slot<BITS>(static_cast<int64_t>(g) * 16);  // words relative to the tile's first column
-  const int row = 4 * t * ring_row_bytes(BITS);
-  using Stream = KiviRingStream<BITS>;
-  return {row + 4 * sl.word, row + 4 * sl.hword, Stream::kCode + Stream::kMeta * 4 * t + 2 * (g >> 1)};
+  using Slot = KiviSlot<BITS, CPL>;
+  const LaneSlot sl = lane_slot<BITS>(static_cast<int64_t>(g) * CPL);  // words relative to the tile's first column
+  const int row = 4 * t * Slot::kRow;
+  return {row + 4 * sl.word, row + 4 * sl.hword, Slot::kCode + Slot::kMeta * 4 * t + 2 * (g * CPL / 32)};
 }
 
-// The k-step in a slot: rows 4t .. 4t + 3 of the lane's words, scales and zeros; then the arithmetic. The 4 rows a
-// load instruction reads are 4 slot rows apart: a 2-way bank conflict, the least a 16-byte-multiple row pad allows
-// for this pattern.
-template <int BITS, int NT>
+// The k-step in a slot: rows 4t .. 4t + 3 of the lane's words, scales and zeros; then the arithmetic.
+template <int BITS, int NT, int CPL>
 __device__ __forceinline__ void kivi_ring_compute(const char* slot, const KiviRingLane& ln,
                                                   const uint2* __restrict__ frag, int frag_nt_stride,
-                                                  const LaneSel& ls, const KiviConsts& dec, float (&d)[8][NT][4]) {
-  using Stream = KiviRingStream<BITS>;
-  constexpr int kRow = ring_row_bytes(BITS);
-  LaneCodes<BITS, 16> lc[4];
+                                                  const LaneSel& ls, const KiviConsts& dec,
+                                                  float (&d)[CPL / 2][NT][4]) {
+  using Slot = KiviSlot<BITS, CPL>;
+  constexpr int kRow = Slot::kRow;
+  LaneCodes<BITS, CPL> lc[4];
   uint16_t s[4], z[4];
   const char* code = slot + ln.code;
   const char* hcode = slot + ln.hcode;
   const char* meta = slot + ln.meta;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    if constexpr (BITS == 4) {
+    if constexpr (BITS == 4 && CPL == 16) {
       const uint2 v = *reinterpret_cast<const uint2*>(code + j * kRow);
       lc[j].w[0] = v.x, lc[j].w[1] = v.y;
     } else {
       lc[j].w[0] = *reinterpret_cast<const uint32_t*>(code + j * kRow);
       lc[j].w[1] = BITS == 3 ? *reinterpret_cast<const uint32_t*>(hcode + j * kRow) : 0u;
     }
-    s[j] = *reinterpret_cast<const uint16_t*>(meta + Stream::kMeta * j);
-    z[j] = *reinterpret_cast<const uint16_t*>(meta + (Stream::kZeroAt - Stream::kCode) + Stream::kMeta * j);
+    s[j] = *reinterpret_cast<const uint16_t*>(meta + Slot::kMeta * j);
+    z[j] = *reinterpret_cast<const uint16_t*>(meta + (Slot::kZeroAt - Slot::kCode) + Slot::kMeta * j);
   }
-  kstep_compute<BITS, NT, 16>(lc, s, z, frag, frag_nt_stride, ls, dec, d);
+  kstep_compute<BITS, NT, CPL>(lc, s, z, frag, frag_nt_stride, ls, dec, d);
 }
 
 template <int BITS, int NT, int CPL, int LOADS>
@@ -176,7 +248,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
   constexpr int CT = 8 * CPL;     // columns per warp
   constexpr bool VEC = LOADS == kLoadVec;
   constexpr bool kRing = LOADS == kLoadRing;
-  static_assert(!kRing || CPL == 16, "the ring's item is 128 columns");
   extern __shared__ __align__(16) float smem[];
 
   const int H_kv = static_cast<int>(p.H_kv);
@@ -200,7 +271,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
   float* unscale = smem;                                               // [QR] 2^-e per query row
   unsigned* amax = reinterpret_cast<unsigned*>(smem + QR);             // [QR] float bits of max |x|
   char* body = reinterpret_cast<char*>(smem + 2 * QR);                 // 16-byte aligned (QR = 4 NT)
-  constexpr int kRingWarp = kRing ? ring_warp_bytes(BITS, true) : 0;
+  constexpr int kRingWarp = kRing ? kivi_ring_warp_bytes(BITS, CPL) : 0;
   char* ring = body + warp * kRingWarp;                                // [kWarps][kRingWarp] (kRing)
   uint2* xfrag = reinterpret_cast<uint2*>(body + kWarps * kRingWarp);  // [NT][nks][32 lanes]
   float* red = reinterpret_cast<float*>(body);                         // [kWarps][QR][CT] after the main loop
@@ -265,22 +336,39 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
         kstep_compute<BITS, NT, CPL>(lc, s, z, frag, nks * 32, ls, k.dec, d);
       };
       int ks = rlane;
-      if constexpr (kRing) {  // the split's whole k-steps through the ring
-        const int n = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;
+      if constexpr (kRing) {  // the split's whole k-steps through the ring, kivi_ring_steps(CPL) per item
+        constexpr int kSteps = kivi_ring_steps(CPL);
+        const int whole = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;  // the warp's whole k-steps
+        const int n = whole / kSteps;
         const int64_t c_off = c_warp * BITS / 32, g_off = c_warp / 32;  // the tile's first word and group
         const uint32_t* c_tile = p.codes + b * p.c_sb + hkv * p.c_sh + c_off;
         const uint16_t* s_tile = p.scales + b * p.s_sb + hkv * p.s_sh + g_off;
         const uint16_t* z_tile = p.zeros + b * p.z_sb + hkv * p.z_sh + g_off;
-        const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
-        KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
-                                                         p.s_sr, z_tile, p.z_sr, cols, lane);
-        const KiviRingLane ln = kivi_ring_lane<BITS>(g, t);
-        run_ring(st, [&](int, const char* slot) {
-          kivi_ring_compute<BITS, NT>(slot, ln, frag, nks * 32, ls, k.dec, d);
-          frag += rw * 32;
-        });
-        ks += n * rw;
-        cr += n * c_step, ch += n * c_step, sr += n * s_step, zr += n * z_step;
+        const KiviRingLane ln = kivi_ring_lane<BITS, CPL>(g, t);
+        const auto consume = [&](int, const char* slot) {
+#pragma unroll
+          for (int h = 0; h < kSteps; ++h) {
+            kivi_ring_compute<BITS, NT, CPL>(slot + h * KiviSlot<BITS, CPL>::kBytes, ln, frag, nks * 32, ls, k.dec,
+                                             d);
+            frag += rw * 32;
+          }
+        };
+        if constexpr (CPL == 16) {
+          const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
+          KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
+                                                           p.s_sr, z_tile, p.z_sr, cols, lane);
+          run_ring(st, consume);
+        } else {
+          KiviRing64Stream<BITS> st = kivi_ring64_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
+                                                               p.s_sr, z_tile, p.z_sr, lane);
+          run_ring(st, consume);
+        }
+        ks += n * kSteps * rw;
+        cr += n * kSteps * c_step, ch += n * kSteps * c_step, sr += n * kSteps * s_step, zr += n * kSteps * z_step;
+        if (CPL == 8 && ks < nfull) {  // an odd whole k-step left over by the two-step items
+          kstep(false, 16);
+          ks += rw, cr += c_step, ch += c_step, sr += s_step, zr += z_step, frag += rw * 32;
+        }
       } else {
 #pragma unroll 1
         for (; ks < nfull; ks += rw) {
@@ -324,14 +412,19 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
 // ---- kernel selection and planning -------------------------------------------------------------------------------
 using KiviKernel = void (*)(const GemvKiviParams, const KiviLaunch);
 
-// The ring variants: 16 columns per lane, except 3 bits at 8 query rows, whose ring loop spilled to local memory at the
-// 128-register cap (3 bits is no preset's KIVI width; it keeps the register loads there).
-__host__ __device__ constexpr bool kivi_has_ring(int bits, int nt) { return !(bits == 3 && nt == 2); }
+// The ring variants: every width and query tile, except 3 bits at 8 query rows and 16 columns per lane, whose ring
+// loop spilled to local memory at the 128-register cap (3 bits is no preset's KIVI width; it keeps the register loads
+// there). At 8 columns per lane a warp holds half the accumulators.
+__host__ __device__ constexpr bool kivi_has_ring(int bits, int nt, int cpl) {
+  return cpl == 8 || !(bits == 3 && nt == 2);
+}
 
 template <int BITS, int NT>
 KiviKernel kivi_kernel(int cpl, int loads) {
-  if (cpl == 8) return gemv_kivi_kernel<BITS, NT, 8, kLoadWords>;
-  if constexpr (kivi_has_ring(BITS, NT)) {
+  if (cpl == 8) {
+    return loads == kLoadRing ? gemv_kivi_kernel<BITS, NT, 8, kLoadRing> : gemv_kivi_kernel<BITS, NT, 8, kLoadWords>;
+  }
+  if constexpr (kivi_has_ring(BITS, NT, 16)) {
     if (loads == kLoadRing) return gemv_kivi_kernel<BITS, NT, 16, kLoadRing>;
   }
   if constexpr (BITS == 4) {  // the only width whose 16 columns span two words: one 8-byte load when aligned
@@ -379,18 +472,20 @@ bool codes_aligned(const GemvKiviParams& p, int64_t align) {
   return rows_aligned(p.codes, align, sizeof(uint32_t), p.B, p.c_sb, p.H_kv, p.c_sh, p.R, p.c_sr);
 }
 
-// The ring's pieces: 16-byte code rows (a column tile starts at a multiple of 16 x BITS bytes), and each row's four
-// G = 32 scales (zeros) of a tile as one 8-byte piece. The caches' stores meet this ("cols": capacity a multiple of
-// lcm(G, 128); "rows" at head_dim 128: 16 x BITS-byte rows). 64-column stores (cpl 8) keep the register loads.
+// The ring's pieces: code rows aligned to the piece (16 bytes; a column tile starts at a multiple of 16 x BITS bytes),
+// and each row's G = 32 scales (zeros) of a tile as one 8-byte piece; at 8 columns per lane a store of exactly 64
+// columns (head_dim-64 values), 8-byte code pieces and 4-byte scale / zero pieces. The caches' stores meet this
+// ("cols": capacity a multiple of lcm(G, 128); "rows" at head_dim 128: 16 x BITS-byte rows, at head_dim 64: 8 x BITS).
 bool kivi_ring_ok(const GemvKiviParams& p, int cpl, int nt) {
+  const int64_t piece = cpl, meta = cpl / 2;
   const auto meta_ok = [&](const uint16_t* base, int64_t sb, int64_t sh, int64_t sr) {
-    return rows_aligned(base, 8, sizeof(uint16_t), p.B, sb, p.H_kv, sh, p.R, sr);
+    return rows_aligned(base, meta, sizeof(uint16_t), p.B, sb, p.H_kv, sh, p.R, sr);
   };
   // a k-step of all row lanes is 128 rows: the sources move by 32-bit byte offsets
   const bool strides_ok = 128 * std::max({4 * p.c_sr, 2 * p.s_sr, 2 * p.z_sr}) < (int64_t{1} << 31);
-  return cpl == 16 && kivi_has_ring(p.bits, nt) && p.group_size == 32 && codes_aligned(p, 16) &&
-         meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sr) && meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sr) && strides_ok &&
-         !gemv_ring_disabled();
+  return (cpl == 16 || p.C == 64) && kivi_has_ring(p.bits, nt, cpl) && p.group_size == 32 &&
+         codes_aligned(p, piece) && meta_ok(p.scales, p.s_sb, p.s_sh, p.s_sr) &&
+         meta_ok(p.zeros, p.z_sb, p.z_sh, p.z_sr) && strides_ok && !gemv_ring_disabled();
 }
 
 KiviPlan plan_kivi(const GemvKiviParams& p) {
@@ -407,7 +502,8 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
     return pl;
   }
   // the ring's slots come first; the query tile gets the rest of the 48 KiB a CTA may use without an opt-in
-  const size_t ring_bytes = pl.loads == kLoadRing ? static_cast<size_t>(kWarps) * ring_warp_bytes(p.bits, true) : 0;
+  const size_t ring_bytes =
+      pl.loads == kLoadRing ? static_cast<size_t>(kWarps) * kivi_ring_warp_bytes(p.bits, pl.cpl) : 0;
   const size_t budget = pl.loads == kLoadRing ? kCtaSmem : kSmemBudget;
   int occ = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), kWarps * 32,

@@ -1178,9 +1178,23 @@ int main(int argc, char** argv) {
     unsetenv("KVKERNELS_GEMV_RING");
     kivi_case(1, 4, 1, 1, true, 100, 256, 2, 64, XDtype::kF16, 0, 0, 8, 0);  // G = 64
     kivi_case(1, 4, 1, 1, true, 100, 256, 2, 32, XDtype::kF16, 1, 0, 8, 0);  // code rows 4-byte aligned
-    kivi_case(1, 4, 1, 1, true, 100, 64, 2, 32, XDtype::kF16, 0, 0, 8, 0);   // 64 columns: 8 per lane
-    g_meta_pad = 2;  // scale / zero rows 4-byte aligned only
+    // 64-column stores (head_dim-64 values, 8 columns per lane): the ring's items are two k-steps of 8-byte code
+    // pieces and 4-byte scale / zero pieces. Split R over 16 SMs with a partial last k-step; 1 SM and R = 693 (43
+    // whole k-steps over 8 row lanes: warps with an odd count take their last whole one through the registers);
+    // 12 query rows (two passes); code rows padded by 2 words
+    for (int bits = 1; bits <= 4; ++bits) {
+      kivi_case(2, 8, 2, 1, true, 1000, 64, bits, 32, (XDtype)(bits % 3), 0, 0, 16, 1);
+      kivi_case(1, 4, 1, 1, false, 693, 64, bits, 32, XDtype::kF16, 2, 0, 1, 1);
+      kivi_case(1, 12, 1, 1, true, 600, 64, bits, 32, XDtype::kBF16, 0, 0, 8, 1);
+    }
+    kivi_case(1, 4, 2, 3, true, 264, 64, 2, 32, XDtype::kF32, 0, 0, 8, 1);  // one item per warp, a partial k-step
+    setenv("KVKERNELS_GEMV_RING", "0", 1);
+    kivi_case(1, 4, 1, 1, true, 100, 64, 2, 32, XDtype::kF16, 0, 0, 8, 0);
+    unsetenv("KVKERNELS_GEMV_RING");
+    kivi_case(1, 4, 1, 1, true, 100, 64, 2, 32, XDtype::kF16, 1, 0, 8, 0);  // code rows 4-byte aligned
+    g_meta_pad = 2;  // scale / zero rows 4-byte aligned only: enough at 64 columns, not at 128
     kivi_case(1, 4, 1, 1, true, 100, 256, 2, 32, XDtype::kF16, 0, 0, 8, 0);
+    kivi_case(1, 4, 1, 1, true, 100, 64, 2, 32, XDtype::kF16, 0, 0, 8, 1);
     g_meta_pad = -1;
   }
   if (which == "q" || which == "all") {
