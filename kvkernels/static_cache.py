@@ -9,11 +9,11 @@ cache (usually right after its prefill, which stays dynamic) and from then on
   max_tokens plus one step of slack, each fp16 tail at the most tokens it can hold during a step
   (w_recent + step_tokens, plus G - 1 for a tensor that leaves its tail in whole groups of G tokens);
 * keeps the token counts in one int64 device tensor `lengths` = (sink, key store, key tail, value store, value tail);
-* appends with fixed-shape device ops only: new tokens are written by where() over the sink and the tail, the oldest
-  tail tokens that may leave (a fixed number E per step) are always quantized into scratch buffers and copied into
-  the store at the device offset, and only the count that really leaves (0 .. E, computed on the device) is committed
-  to `lengths` and shifted out of the tail; writes past the committed count land in the store's slack and are
-  overwritten later;
+* appends with fixed-shape device ops only: new tokens are written by where() over the sink and by index_copy_ at the
+  tail's end, the oldest tail tokens that may leave (a fixed number E per step) are always quantized into scratch
+  buffers and copied into the store at the device offset, and only the count that really leaves (0 .. E, computed on
+  the device) is committed to `lengths` and shifted out of the tail; writes past the committed counts land in the
+  store's slack or the tail's and are overwritten later;
 * attends with ops.decode_attention_fused over the whole buffers and `lengths` (the op's device-lengths form), so
   neither the step nor the op reads a token count on the host. Every backend takes that form: the CUDA and Triton
   kernels plan their grid and splits for the capacities and read the counts in each CTA (splits past the used tokens
@@ -25,11 +25,11 @@ holds it to that, and checks that no op of a step reads a device value on the ho
 is the fused op's arithmetic over plain quantized stores (fused_attention_operands() is not None and both stores are
 QuantStore): InnerQ, KIVI. Others raise at construction.
 
-Launches: the eager append is ~70-80 small device ops per layer and step (InnerQ 78-80, KIVI 68; tests/
-test_static_cache.py holds that ceiling), and a CUDA graph of the eager step still launches them one by one (~1.5-2 us
-each on an H100: most of the first GPU run's ~200 us step beside its ~60 us of attention, bench/RESULTS.md).
-torch.compile(fullgraph=True) over the step, as KVKernelsStaticCache's generate() does, fuses them into ~15 kernels
-plus the two quantizer calls (counted on CPU).
+Launches: the eager append is 34-50 small device ops per layer and step (InnerQ 49-50, 15 of them its sink's; KIVI
+34; tests/test_static_cache.py holds that ceiling), and a CUDA graph of the eager step still launches them one by one
+(~1.5-2 us each on an H100: the first GPU run's ~200 us step beside its ~60 us of attention was 68-80 of them,
+bench/RESULTS.md). torch.compile(fullgraph=True) over the step, as KVKernelsStaticCache's generate() does, fuses them
+into ~15 kernels plus the two quantizer calls (counted on CPU).
 
 Capacity: appending past max_tokens is a programming error that cannot be caught on the host without a sync; the
 store write then indexes past its buffer (an index error on CPU, a device-side assert on CUDA), as with transformers'
@@ -88,19 +88,14 @@ class _StaticTensor:
         self.zeros = torch.zeros(gshape, dtype=torch.float16, device=dev)
         self.tail_slots = torch.arange(tail_cap, device=dev)
         self.evict_slots = torch.arange(E, device=dev)
+        # "cols": the scratch's code words and groups, placed after the store's first new group g0 (stored // G)
+        self.word_slots = torch.arange(cshape[3], device=dev)
+        self.group_slots = torch.arange(gshape[3], device=dev)
 
-    def write(self, x: torch.Tensor, first: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
-        """Tokens x[:, :, first + i] for i < count go to tail slots start + i (where(), no index from the host)."""
-        src_idx = self.tail_slots - start + first
-        keep = (src_idx < first) | (src_idx >= first + count)
-        src = x.index_select(2, src_idx.clamp(0, x.shape[2] - 1))
-        self.tail.copy_(torch.where(keep[:, None], self.tail, src))
-
-    def evict(self, tail_len: torch.Tensor, stored: torch.Tensor, w_recent: int, transform) -> torch.Tensor:
-        """Quantize the tail's first E tokens into the store at token `stored`, shift out the n_out that really leave
-        ((tail_len - w_recent) rounded down to the store's step, at least 0); returns n_out (a device tensor)."""
+    def evict(self, n_out: torch.Tensor, stored: torch.Tensor, transform) -> None:
+        """Quantize the tail's first E tokens into the store at token `stored`, then shift the n_out (0 .. E, a
+        device tensor) that really leave out of the tail."""
         st = self.store
-        n_out = (tail_len - w_recent).clamp(min=0) // st.step * st.step
         oldest = self.tail[:, :, : self.evict_max]
         oldest = transform(oldest) if transform is not None else oldest
         src = (oldest if st.layout == "rows" else oldest.transpose(2, 3)).contiguous()
@@ -111,16 +106,16 @@ class _StaticTensor:
             st.scales.index_copy_(2, tok, self.scales)
             if st.zeros is not None:
                 st.zeros.index_copy_(2, tok, self.zeros)
-        else:
-            words = stored * st.bits // 32 + torch.arange(self.codes.shape[3], device=stored.device)
-            groups = stored // st.group_size + torch.arange(self.scales.shape[3], device=stored.device)
+        else:  # stored is a multiple of G (whole groups leave a "cols" tail), so its first word is g0 * G * bits / 32
+            g0 = stored // st.group_size
+            words = g0 * (st.group_size * st.bits // 32) + self.word_slots
+            groups = g0 + self.group_slots
             st.codes.index_copy_(3, words, self.codes)
             st.scales.index_copy_(3, groups, self.scales)
             if st.zeros is not None:
                 st.zeros.index_copy_(3, groups, self.zeros)
         shifted = (self.tail_slots + n_out).clamp(max=self.tail.shape[2] - 1)
         self.tail.copy_(self.tail.index_select(2, shifted))
-        return n_out
 
 
 def static_format_error(cache: QuantizedLayerCache) -> str | None:
@@ -170,6 +165,9 @@ class StaticLayerCache:
         counts = cache.token_counts()
         self.lengths = torch.tensor([counts[n] for n in LENGTH_NAMES], dtype=torch.int64, device=self.device)
         self.sink_slots = torch.arange(self.w_sink, device=self.device)
+        self.step_slots = torch.arange(step_tokens, device=self.device)
+        # the two tensors' store steps (keys, values): tokens leave a tail in multiples of them
+        self.store_steps = torch.tensor([t.store.step for t in (self.keys, self.values)], device=self.device)
         self.key_norm = cache.key_norm
         # the op's mask spans every token the buffers can hold; a caller's mask (>= max_tokens columns) is padded
         stores = [t.store.cap + t.tail.shape[2] for t in (self.keys, self.values)]
@@ -262,25 +260,44 @@ class StaticLayerCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append step_tokens new tokens' K/V [B, H_kv, step_tokens, D]: fixed-shape device ops only (module
-        docstring), so it can be captured in a CUDA graph."""
+        docstring), so it can be captured in a CUDA graph.
+
+        Each op is a launch of a replayed graph, so the bookkeeping of keys and values is done on both at once (their
+        counts are lengths[1::2] and lengths[2::2]), and the new tokens are written with index_copy_ at the tail's
+        end: the n - rest slots past the tokens that really go there (while the sink takes some) lie past the tail's
+        count, where nothing reads them before they are written again."""
         self._check_kv(k, v)
         k, v = k.to(self.dtype), v.to(self.dtype)
         n = self.step_tokens
-        S, mk, lk, mv, lv = self.lengths.unbind()
-        take = (self.w_sink - S).clamp(0, n)  # tokens that fill the sink (only while the stores and tails are empty)
+        counts = self.lengths
+        stored, tails = counts[1::2], counts[2::2]  # (key store, value store), (key tail, value tail): views
         if self.w_sink:
+            S = counts[0]
+            take = (self.w_sink - S).clamp(0, n)  # tokens that fill the sink (only while stores and tails are empty)
+            # sink slot j takes token j - S when 0 <= j - S < take; as j < w_sink, j - S < take iff j - S < n
             src_idx = self.sink_slots - S
-            fresh = (src_idx >= 0) & (src_idx < take)
-            src_idx = src_idx.clamp(0, n - 1)
+            clamped = src_idx.clamp(0, n - 1)
+            fresh = clamped == src_idx
+            src_idx = clamped
             sink_k, sink_v = self.cache._sink_k, self.cache._sink_v
             sink_k.copy_(torch.where(fresh[:, None], k.index_select(2, src_idx), sink_k))
             sink_v.copy_(torch.where(fresh[:, None], v.index_select(2, src_idx), sink_v))
-        rest = n - take
-        self.keys.write(k, take, lk, rest)
-        self.values.write(v, take, lv, rest)
-        k_out = self.keys.evict(lk + rest, mk, self.w_recent, self.cache._keys_to_store)
-        v_out = self.values.evict(lv + rest, mv, self.w_recent, None)
-        self.lengths.copy_(torch.stack([S + take, mk + k_out, lk + rest - k_out, mv + v_out, lv + rest - v_out]))
+            rest = n - take
+            src = (take + self.step_slots).clamp(max=n - 1)  # the tokens after the sink's, first
+            k, v = k.index_select(2, src), v.index_select(2, src)
+        else:
+            take, rest = None, n
+        at = tails[:, None] + self.step_slots  # [2, n]: the tail slots of the new tokens, keys then values
+        self.keys.tail.index_copy_(2, at[0], k)
+        self.values.tail.index_copy_(2, at[1], v)
+        # tokens that leave each tail: (tail - w_recent) rounded down to the store's step, at least 0
+        n_out = (tails + rest - self.w_recent).clamp(min=0) // self.store_steps * self.store_steps
+        self.keys.evict(n_out[0], stored[0], self.cache._keys_to_store)
+        self.values.evict(n_out[1], stored[1], None)
+        stored.add_(n_out)  # in place, after every read of the counts above
+        tails.add_(rest - n_out)
+        if take is not None:
+            counts[0].add_(take)
 
     def fused_attention_operands(self) -> dict:
         """ops.decode_attention_fused's keyword arguments (all but x and attn_mask) over the whole buffers, with

@@ -150,7 +150,7 @@ class InnerQLayerCache(QuantizedLayerCache):
     def _keys_to_store(self, k: torch.Tensor) -> torch.Tensor:
         if self.key_norm is None:
             return k
-        return k.to(torch.float32) / self.key_norm[None, :, None, :]
+        return k / self.key_norm[None, :, None, :]  # in fp32 (key_norm's dtype): k's values exactly, one division
 
     def _keys_from_store(self, k: torch.Tensor) -> torch.Tensor:
         return k if self.key_norm is None else k * self.key_norm[None, :, None, :]
