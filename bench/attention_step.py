@@ -20,7 +20,7 @@ Whole decode steps (append one token + attention, the cache advancing every step
   dynamic step   QuantizedLayerCache.append + decode_attention as generate() runs them (host decisions, new shapes)
   static step    kvkernels.StaticLayerCache: the step captured once in a CUDA graph and replayed (CPU: run eagerly)
   compiled static step   (CUDA; the first step row of each preset) the static step through
-                 torch.compile(fullgraph=True), captured the same way: the eager static append is 34-50 small device
+                 torch.compile(fullgraph=True), captured the same way: the eager static append is 34-42 small device
                  ops (68-80 in the first GPU run; tests/test_static_cache.py counts them), and Inductor fuses its
                  index arithmetic, where()s and copies into ~15 kernels (counted on CPU)
 "static / dynamic" < 1 means the graph-captured step is faster. The static step's attention is the fused op's

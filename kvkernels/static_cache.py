@@ -25,11 +25,11 @@ holds it to that, and checks that no op of a step reads a device value on the ho
 is the fused op's arithmetic over plain quantized stores (fused_attention_operands() is not None and both stores are
 QuantStore): InnerQ, KIVI. Others raise at construction.
 
-Launches: the eager append is 34-50 small device ops per layer and step (InnerQ 49-50, 15 of them its sink's; KIVI
-34; tests/test_static_cache.py holds that ceiling), and a CUDA graph of the eager step still launches them one by one
-(~1.5-2 us each on an H100: the first GPU run's ~200 us step beside its ~60 us of attention was 68-80 of them,
-bench/RESULTS.md). torch.compile(fullgraph=True) over the step, as KVKernelsStaticCache's generate() does, fuses them
-into ~15 kernels plus the two quantizer calls (counted on CPU).
+Launches: the eager append is 34-42 small device ops per layer and step at one token a step (InnerQ 41-42, 7 of them
+its sink's; KIVI 34; tests/test_static_cache.py holds that ceiling), and a CUDA graph of the eager step still launches
+them one by one (~1.5-2 us each on an H100: the first GPU run's ~200 us step beside its ~60 us of attention was 68-80
+of them, bench/RESULTS.md). torch.compile(fullgraph=True) over the step, as KVKernelsStaticCache's generate() does,
+fuses them into ~15 kernels plus the two quantizer calls (counted on CPU).
 
 Capacity: appending past max_tokens is a programming error that cannot be caught on the host without a sync; the
 store write then indexes past its buffer (an index error on CPU, a device-side assert on CUDA), as with transformers'
@@ -275,16 +275,21 @@ class StaticLayerCache:
             S = counts[0]
             take = (self.w_sink - S).clamp(0, n)  # tokens that fill the sink (only while stores and tails are empty)
             # sink slot j takes token j - S when 0 <= j - S < take; as j < w_sink, j - S < take iff j - S < n
-            src_idx = self.sink_slots - S
-            clamped = src_idx.clamp(0, n - 1)
-            fresh = clamped == src_idx
-            src_idx = clamped
             sink_k, sink_v = self.cache._sink_k, self.cache._sink_v
-            sink_k.copy_(torch.where(fresh[:, None], k.index_select(2, src_idx), sink_k))
-            sink_v.copy_(torch.where(fresh[:, None], v.index_select(2, src_idx), sink_v))
+            if n == 1:  # plain decoding: slot S (if any) takes the token, broadcast by where()
+                fresh = self.sink_slots == S
+                sink_k.copy_(torch.where(fresh[:, None], k, sink_k))
+                sink_v.copy_(torch.where(fresh[:, None], v, sink_v))
+            else:
+                src_idx = self.sink_slots - S
+                clamped = src_idx.clamp(0, n - 1)
+                fresh = clamped == src_idx
+                sink_k.copy_(torch.where(fresh[:, None], k.index_select(2, clamped), sink_k))
+                sink_v.copy_(torch.where(fresh[:, None], v.index_select(2, clamped), sink_v))
             rest = n - take
-            src = (take + self.step_slots).clamp(max=n - 1)  # the tokens after the sink's, first
-            k, v = k.index_select(2, src), v.index_select(2, src)
+            if n > 1:  # the tokens after the sink's first (at n = 1 the one token: past the tail's count if taken)
+                src = (take + self.step_slots).clamp(max=n - 1)
+                k, v = k.index_select(2, src), v.index_select(2, src)
         else:
             take, rest = None, n
         at = tails[:, None] + self.step_slots  # [2, n]: the tail slots of the new tokens, keys then values
