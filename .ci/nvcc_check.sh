@@ -146,7 +146,8 @@ done
 # with 64/128-bit loads. A change that made the compiler split them into 32-bit loads would cost bandwidth, not
 # correctness, so no test would notice: read the SASS. VEC is the last template argument: gemv_kivi's bool
 # (mangled "Lb1EEE"), gemv_inner_q's int LOADS (1 "Li1EEE": 16-byte loads to registers; 2 "Li2EEE": the cp.async
-# ring, whose codes must arrive by 16-byte LDGSTS; 3 "Li3EEE": the ring's head_dim-64 key kernel, 8-byte LDGSTS).
+# ring, whose codes must arrive by 16-byte LDGSTS; 3 "Li3EEE": the ring's head_dim-64 key kernel, 8-byte LDGSTS);
+# gemv_kivi's ring (LOADS 2) at 8 columns per lane ("Li8ELi2EEE": 64-column stores) copies 8-byte code pieces.
 # gemv_lattice has no VEC variants (its register loads are 32-bit by design, and its "Lb1EEE" is another bool); its
 # keys' ring kernels (gemv_lattice_k_kernel<..., true>) must copy their code rows with 16- or 8-byte LDGSTS.
 echo
@@ -160,7 +161,9 @@ else
     "$CUOBJDUMP" -sass "$o" | awk '
       /code for sm_/ { arch = $3 }
       /Function : / { fn = $3; lat = fn ~ /gemv_lattice/
-                      if (!lat && fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 } if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 }
+                      if (!lat && fn ~ /L[bi]1EEE/) { vec[fn " " arch] = 1 }
+                      if (fn ~ /gemv_kivi_kernel.*Li8ELi2EEE/) { ring64[fn " " arch] = 1 }
+                      else if (fn ~ /Li2EEE/) { ring[fn " " arch] = 1 }
                       if (fn ~ /Li3EEE/) { ring64[fn " " arch] = 1 }
                       if (fn ~ /gemv_lattice_k_kernel.*Lb1EEEv/) { ringany[fn " " arch] = 1 } }
       /LDG\.E\.(64|128)/ { wide[fn " " arch] = 1 }
