@@ -88,9 +88,9 @@ class _StaticTensor:
         self.zeros = torch.zeros(gshape, dtype=torch.float16, device=dev)
         self.tail_slots = torch.arange(tail_cap, device=dev)
         self.evict_slots = torch.arange(E, device=dev)
-        # "cols": the scratch's code words and groups, placed after the store's first new group g0 (stored // G)
-        self.word_slots = torch.arange(cshape[3], device=dev)
-        self.group_slots = torch.arange(gshape[3], device=dev)
+        if store.layout == "cols":  # the scratch's code words and groups, after the store's first new group g0
+            self.word_slots = torch.arange(cshape[3], device=dev)
+            self.group_slots = torch.arange(gshape[3], device=dev)
 
     def evict(self, n_out: torch.Tensor, stored: torch.Tensor, transform) -> None:
         """Quantize the tail's first E tokens into the store at token `stored`, then shift the n_out (0 .. E, a
@@ -276,7 +276,9 @@ class StaticLayerCache:
             take = (self.w_sink - S).clamp(0, n)  # tokens that fill the sink (only while stores and tails are empty)
             # sink slot j takes token j - S when 0 <= j - S < take; as j < w_sink, j - S < take iff j - S < n
             sink_k, sink_v = self.cache._sink_k, self.cache._sink_v
-            if n == 1:  # plain decoding: slot S (if any) takes the token, broadcast by where()
+            rest = n - take
+            if n == 1:  # plain decoding: slot S (if any) takes the token, broadcast by where(); if it did, the
+                # token also goes to the tail below, past the tail's count
                 fresh = self.sink_slots == S
                 sink_k.copy_(torch.where(fresh[:, None], k, sink_k))
                 sink_v.copy_(torch.where(fresh[:, None], v, sink_v))
@@ -286,12 +288,10 @@ class StaticLayerCache:
                 fresh = clamped == src_idx
                 sink_k.copy_(torch.where(fresh[:, None], k.index_select(2, clamped), sink_k))
                 sink_v.copy_(torch.where(fresh[:, None], v.index_select(2, clamped), sink_v))
-            rest = n - take
-            if n > 1:  # the tokens after the sink's first (at n = 1 the one token: past the tail's count if taken)
-                src = (take + self.step_slots).clamp(max=n - 1)
+                src = (take + self.step_slots).clamp(max=n - 1)  # the tail's tokens: those after the sink's first
                 k, v = k.index_select(2, src), v.index_select(2, src)
         else:
-            take, rest = None, n
+            rest = n
         at = tails[:, None] + self.step_slots  # [2, n]: the tail slots of the new tokens, keys then values
         self.keys.tail.index_copy_(2, at[0], k)
         self.values.tail.index_copy_(2, at[1], v)
@@ -301,7 +301,7 @@ class StaticLayerCache:
         self.values.evict(n_out[1], stored[1], None)
         stored.add_(n_out)  # in place, after every read of the counts above
         tails.add_(rest - n_out)
-        if take is not None:
+        if self.w_sink:
             counts[0].add_(take)
 
     def fused_attention_operands(self) -> dict:
