@@ -12,6 +12,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kvkernels/quant.cuh"
@@ -282,6 +284,44 @@ inline int64_t check_attention_store(const char* op, const std::string& pre, con
   return m;
 }
 
+// The two quantized stores of a cache (decode_attention_fused, static_append): group size, bits, modes, layouts, a
+// "rows" layout's D % G, then each store's tensors.
+struct StorePair {
+  kvk::QuantMode key_mode, value_mode;
+  bool key_cols, value_cols;
+  int64_t mk, mv;  // tokens each store holds (its capacity)
+};
+
+inline StorePair check_store_pair(const char* op, const at::Tensor& key_codes, const at::Tensor& key_scales,
+                                  const std::optional<at::Tensor>& key_zeros, int64_t key_bits,
+                                  const std::string& key_mode, const std::string& key_layout,
+                                  const at::Tensor& value_codes, const at::Tensor& value_scales,
+                                  const std::optional<at::Tensor>& value_zeros, int64_t value_bits,
+                                  const std::string& value_mode, const std::string& value_layout, int64_t group_size,
+                                  int64_t B, int64_t H, int64_t D) {
+  // the bound: nothing else limits G when a token-grouped store is empty, and the kernels hold G in an int
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0 && group_size <= (int64_t{1} << 20), "kvkernels.", op,
+                    ": group_size must be a positive multiple of 32 up to 1048576, got ", group_size);
+  StorePair st{};
+  TORCH_CHECK_VALUE(key_bits >= 1 && key_bits <= 4, "kvkernels.", op, ": key_bits must be one of (1, 2, 3, 4), got ",
+                    key_bits);
+  st.key_mode = parse_mode(op, key_mode, "key_mode");
+  st.key_cols = parse_layout(op, "key_", key_layout);
+  TORCH_CHECK_VALUE(value_bits >= 1 && value_bits <= 4, "kvkernels.", op,
+                    ": value_bits must be one of (1, 2, 3, 4), got ", value_bits);
+  st.value_mode = parse_mode(op, value_mode, "value_mode");
+  st.value_cols = parse_layout(op, "value_", value_layout);
+  TORCH_CHECK_VALUE(st.key_cols || D % group_size == 0, "kvkernels.", op, ": head_dim D=", D,
+                    " must be a multiple of group_size=", group_size, " (key store in layout rows)");
+  TORCH_CHECK_VALUE(st.value_cols || D % group_size == 0, "kvkernels.", op, ": head_dim D=", D,
+                    " must be a multiple of group_size=", group_size, " (value store in layout rows)");
+  st.mk = check_attention_store(op, "key_", key_codes, key_scales, key_zeros, key_bits, st.key_mode, st.key_cols,
+                                group_size, B, H, D);
+  st.mv = check_attention_store(op, "value_", value_codes, value_scales, value_zeros, value_bits, st.value_mode,
+                                st.value_cols, group_size, B, H, D);
+  return st;
+}
+
 inline AttentionSizes check_decode_attention_fused(
     const at::Tensor& x, const at::Tensor& sink_keys, const at::Tensor& sink_values, const at::Tensor& key_codes,
     const at::Tensor& key_scales, const std::optional<at::Tensor>& key_zeros, const at::Tensor& value_codes,
@@ -317,25 +357,11 @@ inline AttentionSizes check_decode_attention_fused(
                     op, ": sink_values must match sink_keys ", sink_keys.sizes(), ", got ", sink_values.sizes());
   z.n_kt = check_attention_window(op, "key_tail", key_tail, z.B, z.H_kv, z.D, dt);
   z.n_vt = check_attention_window(op, "value_tail", value_tail, z.B, z.H_kv, z.D, dt);
-  // the bound: nothing else limits G when a token-grouped store is empty, and the kernels hold G in an int
-  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0 && group_size <= (int64_t{1} << 20), "kvkernels.", op,
-                    ": group_size must be a positive multiple of 32 up to 1048576, got ", group_size);
-  TORCH_CHECK_VALUE(key_bits >= 1 && key_bits <= 4, "kvkernels.", op, ": key_bits must be one of (1, 2, 3, 4), got ",
-                    key_bits);
-  z.key_mode = parse_mode(op, key_mode, "key_mode");
-  z.key_cols = parse_layout(op, "key_", key_layout);
-  TORCH_CHECK_VALUE(value_bits >= 1 && value_bits <= 4, "kvkernels.", op,
-                    ": value_bits must be one of (1, 2, 3, 4), got ", value_bits);
-  z.value_mode = parse_mode(op, value_mode, "value_mode");
-  z.value_cols = parse_layout(op, "value_", value_layout);
-  TORCH_CHECK_VALUE(z.key_cols || z.D % group_size == 0, "kvkernels.", op, ": head_dim D=", z.D,
-                    " must be a multiple of group_size=", group_size, " (key store in layout rows)");
-  TORCH_CHECK_VALUE(z.value_cols || z.D % group_size == 0, "kvkernels.", op, ": head_dim D=", z.D,
-                    " must be a multiple of group_size=", group_size, " (value store in layout rows)");
-  z.mk = check_attention_store(op, "key_", key_codes, key_scales, key_zeros, key_bits, z.key_mode, z.key_cols,
-                               group_size, z.B, z.H_kv, z.D);
-  z.mv = check_attention_store(op, "value_", value_codes, value_scales, value_zeros, value_bits, z.value_mode,
-                               z.value_cols, group_size, z.B, z.H_kv, z.D);
+  const StorePair st = check_store_pair(op, key_codes, key_scales, key_zeros, key_bits, key_mode, key_layout,
+                                        value_codes, value_scales, value_zeros, value_bits, value_mode, value_layout,
+                                        group_size, z.B, z.H_kv, z.D);
+  z.key_mode = st.key_mode, z.value_mode = st.value_mode, z.key_cols = st.key_cols, z.value_cols = st.value_cols;
+  z.mk = st.mk, z.mv = st.mv;
   z.device_lengths = lengths.has_value();
   if (z.device_lengths) {
     // device-side lengths: the parts are capacity buffers, what they hold is not read here (no device sync); N is
@@ -372,6 +398,80 @@ inline AttentionSizes check_decode_attention_fused(
   TORCH_CHECK_VALUE(split_tokens >= 0 && split_tokens % group_size == 0, "kvkernels.", op,
                     ": split_tokens must be 0 (planned) or a positive multiple of group_size=", group_size, ", got ",
                     split_tokens);
+  return z;
+}
+
+struct AppendSizes {
+  int64_t B, H, n, D, W;
+  kvk::QuantMode key_mode, value_mode;
+  bool key_cols, value_cols;
+};
+
+// Mirrors kvkernels/_validate.py check_static_append: decode_attention_fused's lengths= operands, the new tokens in
+// the windows' dtype, the etas, w_recent, and every written tensor disjoint from every other operand.
+inline AppendSizes check_static_append(
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths, const at::Tensor& sink_keys,
+    const at::Tensor& sink_values, const at::Tensor& key_codes, const at::Tensor& key_scales,
+    const std::optional<at::Tensor>& key_zeros, const at::Tensor& value_codes, const at::Tensor& value_scales,
+    const std::optional<at::Tensor>& value_zeros, const at::Tensor& key_tail, const at::Tensor& value_tail,
+    int64_t key_bits, const std::string& key_mode, const std::string& key_layout, double key_eta, int64_t value_bits,
+    const std::string& value_mode, const std::string& value_layout, double value_eta, int64_t group_size,
+    int64_t w_recent, const std::optional<at::Tensor>& key_x_scale) {
+  const char* op = "static_append";
+  const std::pair<const char*, const at::Tensor*> required[] = {
+      {"k", &k}, {"v", &v}, {"lengths", &lengths}, {"sink_keys", &sink_keys}, {"sink_values", &sink_values},
+      {"key_codes", &key_codes}, {"key_scales", &key_scales}, {"value_codes", &value_codes},
+      {"value_scales", &value_scales}, {"key_tail", &key_tail}, {"value_tail", &value_tail}};
+  for (const auto& [name, t] : required) check_defined(op, name, *t);
+  AppendSizes z{};
+  TORCH_CHECK_VALUE(k.dim() == 4 && k.size(2) >= 1, "kvkernels.", op, ": k must be [B, H_kv, n >= 1, D], got shape ",
+                    k.sizes());
+  z.B = k.size(0), z.H = k.size(1), z.n = k.size(2), z.D = k.size(3);
+  check_activation(op, "sink_keys", sink_keys);
+  const at::ScalarType dt = sink_keys.scalar_type();
+  check_dtype(op, "k", k, dt);
+  check_last_dim_contiguous(op, "k", k);
+  check_dtype(op, "v", v, dt);
+  check_last_dim_contiguous(op, "v", v);
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "kvkernels.", op, ": v must match k ", k.sizes(), ", got ", v.sizes());
+  z.W = check_attention_window(op, "sink_keys", sink_keys, z.B, z.H, z.D, dt);
+  TORCH_CHECK_VALUE(check_attention_window(op, "sink_values", sink_values, z.B, z.H, z.D, dt) == z.W, "kvkernels.",
+                    op, ": sink_values must match sink_keys ", sink_keys.sizes(), ", got ", sink_values.sizes());
+  check_attention_window(op, "key_tail", key_tail, z.B, z.H, z.D, dt);
+  check_attention_window(op, "value_tail", value_tail, z.B, z.H, z.D, dt);
+  const StorePair st = check_store_pair(op, key_codes, key_scales, key_zeros, key_bits, key_mode, key_layout,
+                                        value_codes, value_scales, value_zeros, value_bits, value_mode, value_layout,
+                                        group_size, z.B, z.H, z.D);
+  z.key_mode = st.key_mode, z.value_mode = st.value_mode, z.key_cols = st.key_cols, z.value_cols = st.value_cols;
+  for (const auto& [pre, mode, eta] : {std::tuple<const char*, const std::string*, double>{"key", &key_mode, key_eta},
+                                       {"value", &value_mode, value_eta}}) {
+    TORCH_CHECK_VALUE(eta >= 0.0 && eta < 0.5, "kvkernels.", op, ": ", pre, "_eta must be in [0, 0.5), got ", eta);
+    TORCH_CHECK_VALUE(eta == 0.0 || *mode == "asym", "kvkernels.", op, ": ", pre, "_eta applies to asym mode only, got ",
+                      pre, "_mode='", *mode, "' with eta=", eta);
+  }
+  TORCH_CHECK_VALUE(w_recent >= 0, "kvkernels.", op, ": w_recent must be a non-negative int, got ", w_recent);
+  check_dtype(op, "lengths", lengths, at::kLong);
+  check_shape(op, "lengths", lengths, {5});
+  check_last_dim_contiguous(op, "lengths", lengths);
+  if (key_x_scale.has_value()) {
+    check_dtype(op, "key_x_scale", *key_x_scale, at::kFloat);
+    check_shape(op, "key_x_scale", *key_x_scale, {z.H, z.D});
+    check_last_dim_contiguous(op, "key_x_scale", *key_x_scale);
+  }
+  std::vector<std::pair<const char*, const at::Tensor*>> written = {
+      {"lengths", &lengths}, {"sink_keys", &sink_keys}, {"sink_values", &sink_values}, {"key_codes", &key_codes},
+      {"key_scales", &key_scales}, {"value_codes", &value_codes}, {"value_scales", &value_scales},
+      {"key_tail", &key_tail}, {"value_tail", &value_tail}};
+  if (key_zeros.has_value()) written.emplace_back("key_zeros", &*key_zeros);
+  if (value_zeros.has_value()) written.emplace_back("value_zeros", &*value_zeros);
+  std::vector<std::pair<const char*, const at::Tensor*>> read = {{"k", &k}, {"v", &v}};
+  if (key_x_scale.has_value()) read.emplace_back("key_x_scale", &*key_x_scale);
+  for (size_t i = 0; i < written.size(); ++i) {
+    check_no_self_overlap(op, written[i].first, *written[i].second);
+    for (size_t j = i + 1; j < written.size(); ++j)
+      check_disjoint(op, written[i].first, *written[i].second, written[j].first, *written[j].second);
+    for (const auto& [name, t] : read) check_disjoint(op, written[i].first, *written[i].second, name, *t);
+  }
   return z;
 }
 

@@ -102,4 +102,15 @@ TORCH_LIBRARY(kvkernels, m) {
       "Tensor value_tail, int key_bits, str key_mode, str key_layout, int value_bits, str value_mode, "
       "str value_layout, int group_size, Tensor? key_x_scale=None, Tensor? attn_mask=None, int split_tokens=0, "
       "Tensor? lengths=None) -> Tensor");
+  // One decode step's append into a static cache: decode_attention_fused's lengths= operands as capacity buffers,
+  // written in place (kvkernels/reference/static_append.py is the spec). k, v [B, H_kv, n, D] in the windows' dtype:
+  // the first tokens fill the sink while it has room, the others join the tails, and each tail's oldest tokens past
+  // w_recent (whole groups of G for a "cols" store) are quantized into its store (keys stored as K / key_x_scale);
+  // lengths grows accordingly. Reads no count on the host: a step can be captured in a CUDA graph.
+  m.def(
+      "static_append(Tensor k, Tensor v, Tensor(a!) lengths, Tensor(b!) sink_keys, Tensor(c!) sink_values, "
+      "Tensor(d!) key_codes, Tensor(e!) key_scales, Tensor(f!)? key_zeros, Tensor(g!) value_codes, "
+      "Tensor(h!) value_scales, Tensor(i!)? value_zeros, Tensor(j!) key_tail, Tensor(k!) value_tail, int key_bits, "
+      "str key_mode, str key_layout, float key_eta, int value_bits, str value_mode, str value_layout, "
+      "float value_eta, int group_size, int w_recent, Tensor? key_x_scale=None) -> ()");
 }

@@ -203,12 +203,19 @@ def check_quantize(op: str, x, bits, group_size, mode, eta) -> None:
     if x.dim() < 1:
         _fail(op, "x must have at least one dim")
     check_group_size(op, group_size, x.shape[-1], "x.shape[-1]")
+    check_eta(op, eta, mode)
+
+
+def check_eta(op: str, eta, mode: str, tensor: str = "") -> None:
+    """The asym calibration eta: a float in [0, 0.5), 0 unless mode is asym (tensor: "key" / "value" for a cache's
+    two stores, prefixing the names)."""
+    name, mode_name = (f"{tensor}_eta", f"{tensor}_mode") if tensor else ("eta", "mode")
     if not is_number(eta):
-        _fail(op, f"eta must be a float, got {eta!r}", TypeError)
+        _fail(op, f"{name} must be a float, got {eta!r}", TypeError)
     if not 0.0 <= eta < 0.5:
-        _fail(op, f"eta must be in [0, 0.5), got {eta}")
+        _fail(op, f"{name} must be in [0, 0.5), got {eta}")
     if eta and mode != "asym":
-        _fail(op, f"eta applies to asym mode only, got mode={mode!r} with eta={eta}")
+        _fail(op, f"{name} applies to asym mode only, got {mode_name}={mode!r} with eta={eta}")
 
 
 FP16_SCALE_LIMIT = 60000.0  # below fp16's 65504 with room for the rounding of s and of z + eta * s * (2^b - 1)
@@ -694,3 +701,69 @@ def check_decode_attention_fused(
         key_zeros=key_zeros, value_codes=value_codes, value_scales=value_scales, value_zeros=value_zeros,
         key_tail=key_tail, value_tail=value_tail, key_x_scale=key_x_scale, attn_mask=attn_mask, lengths=lengths,
     )  # fmt: skip
+
+
+def check_static_append(
+    k, v, lengths, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+    key_tail, value_tail, key_bits, key_mode, key_layout, key_eta, value_bits, value_mode, value_layout, value_eta,
+    group_size, w_recent, key_x_scale=None,
+) -> None:  # fmt: skip
+    """static_append's metadata: the operands of decode_attention_fused's lengths= form, plus the new tokens k / v
+    [B, H_kv, n >= 1, D] in the windows' dtype, the stores' etas and w_recent; every written tensor disjoint from
+    every other operand. What the counts say (room left) is on the device: checked there (module docstring of
+    kvkernels.reference.static_append)."""
+    op = "static_append"
+    check_tensors(
+        op, k=k, v=v, lengths=lengths, sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes,
+        key_scales=key_scales, value_codes=value_codes, value_scales=value_scales, key_tail=key_tail,
+        value_tail=value_tail,
+    )  # fmt: skip
+    if k.dim() != 4 or k.shape[2] < 1:
+        _fail(op, f"k must be [B, H_kv, n >= 1, D], got shape {list(k.shape)}")
+    B, H, n, D = k.shape
+    check_dtype(op, "sink_keys", sink_keys, FLOAT_ACTIVATIONS)
+    dt = sink_keys.dtype
+    for name, t in (("k", k), ("v", v)):
+        check_dtype(op, name, t, dt)  # the windows' dtype: the wrapper converts, the op copies bits
+        check_last_dim_contiguous(op, name, t)
+    if tuple(v.shape) != tuple(k.shape):
+        _fail(op, f"v must match k {list(k.shape)}, got {list(v.shape)}")
+    S = _check_window(op, "sink_keys", sink_keys, B, H, D, dt)
+    if _check_window(op, "sink_values", sink_values, B, H, D, dt) != S:
+        _fail(op, f"sink_values must match sink_keys {list(sink_keys.shape)}, got {list(sink_values.shape)}")
+    _check_window(op, "key_tail", key_tail, B, H, D, dt)
+    _check_window(op, "value_tail", value_tail, B, H, D, dt)
+    if not is_int(group_size) or group_size <= 0 or group_size % BLOCK or group_size > MAX_ATTENTION_GROUP:
+        _fail(op, f"group_size must be a positive multiple of {BLOCK} up to {MAX_ATTENTION_GROUP}, got {group_size}")
+    for tensor, layout in (("key", key_layout), ("value", value_layout)):
+        if layout == "rows" and D % group_size:
+            _fail(op, f"head_dim D={D} must be a multiple of group_size={group_size} ({tensor} store in layout rows)")
+    _check_store(op, "key", key_codes, key_scales, key_zeros, key_bits, key_mode, key_layout, group_size, B, H, D)
+    _check_store(
+        op, "value", value_codes, value_scales, value_zeros, value_bits, value_mode, value_layout, group_size, B, H, D
+    )
+    check_eta(op, key_eta, key_mode, "key")
+    check_eta(op, value_eta, value_mode, "value")
+    if not is_int(w_recent) or w_recent < 0:
+        _fail(op, f"w_recent must be a non-negative int, got {w_recent!r}")
+    check_dtype(op, "lengths", lengths, torch.int64)
+    check_shape(op, "lengths", lengths, (5,))
+    check_last_dim_contiguous(op, "lengths", lengths)
+    if key_x_scale is not None:
+        check_dtype(op, "key_x_scale", key_x_scale, torch.float32)
+        check_shape(op, "key_x_scale", key_x_scale, (H, D))
+        check_last_dim_contiguous(op, "key_x_scale", key_x_scale)
+    written = dict(
+        lengths=lengths, sink_keys=sink_keys, sink_values=sink_values, key_codes=key_codes, key_scales=key_scales,
+        key_zeros=key_zeros, value_codes=value_codes, value_scales=value_scales, value_zeros=value_zeros,
+        key_tail=key_tail, value_tail=value_tail,
+    )  # fmt: skip
+    written = {name: t for name, t in written.items() if t is not None}
+    read = {name: t for name, t in (("k", k), ("v", v), ("key_x_scale", key_x_scale)) if t is not None}
+    for name, t in written.items():
+        check_no_self_overlap(op, name, t)
+    for (name_a, a), (name_b, b) in itertools.combinations(written.items(), 2):
+        check_disjoint(op, name_a, a, name_b, b)
+    for (name_a, a), (name_b, b) in itertools.product(written.items(), read.items()):
+        check_disjoint(op, name_a, a, name_b, b)
+    check_same_device(op, **written, **read)

@@ -36,6 +36,7 @@ OPS = (
     "gemv_lattice_v",
     "aqua_reconstruct",
     "decode_attention_fused",
+    "static_append",
 )
 
 
@@ -59,6 +60,7 @@ _CHECKS = {
     "gemv_lattice_v": V.check_gemv_lattice_v,
     "aqua_reconstruct": V.check_aqua_reconstruct,
     "decode_attention_fused": V.check_decode_attention_fused,
+    "static_append": V.check_static_append,
 }
 
 
@@ -256,6 +258,10 @@ def _register_fakes() -> None:
     @fake("decode_attention_fused")
     def _(x, *args, **kwargs):
         return x.new_empty(x.shape, dtype=torch.float32)
+
+    @fake("static_append")
+    def _(*args, **kwargs):
+        return None
 
 
 if HAS_C:
@@ -596,3 +602,46 @@ def decode_attention_fused(
     )  # fmt: skip
     V.check_decode_attention_fused(*args)
     return torch.ops.kvkernels.decode_attention_fused.default(*args)
+
+
+def static_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scales: torch.Tensor,
+    key_zeros: torch.Tensor | None,
+    value_codes: torch.Tensor,
+    value_scales: torch.Tensor,
+    value_zeros: torch.Tensor | None,
+    key_tail: torch.Tensor,
+    value_tail: torch.Tensor,
+    key_bits: int,
+    key_mode: str,
+    key_layout: str,
+    key_eta: float,
+    value_bits: int,
+    value_mode: str,
+    value_layout: str,
+    value_eta: float,
+    group_size: int,
+    w_recent: int,
+    key_x_scale: torch.Tensor | None = None,
+) -> None:
+    """Append k / v [B, H_kv, n, D] (the windows' dtype) to a static cache in place: decode_attention_fused's lengths=
+    operands as capacity buffers, lengths int64 [5] on the device. The first tokens fill the sink while it has room,
+    the rest join the tails, and each tail's oldest tokens past w_recent (whole groups of G for a "cols" store) are
+    quantized into its store at its count (keys stored as K / key_x_scale), bit-identical to quantize_groups; the
+    counts grow. No count is read on the host (CUDA-graph capturable). The compiled CUDA op is two launches; elsewhere
+    the reference (fixed-shape PyTorch ops). Spec, and the capacity preconditions that only the device can check:
+    kvkernels/reference/static_append.py. kvkernels.static_cache.StaticLayerCache.append calls it."""
+    require_c("static_append")
+    args = (
+        k, v, lengths, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales,
+        value_zeros, key_tail, value_tail, key_bits, key_mode, key_layout, float(key_eta), value_bits, value_mode,
+        value_layout, float(value_eta), group_size, w_recent, key_x_scale,
+    )  # fmt: skip
+    V.check_static_append(*args)
+    torch.ops.kvkernels.static_append.default(*args)

@@ -9,11 +9,10 @@ cache (usually right after its prefill, which stays dynamic) and from then on
   max_tokens plus one step of slack, each fp16 tail at the most tokens it can hold during a step
   (w_recent + step_tokens, plus G - 1 for a tensor that leaves its tail in whole groups of G tokens);
 * keeps the token counts in one int64 device tensor `lengths` = (sink, key store, key tail, value store, value tail);
-* appends with fixed-shape device ops only: new tokens are written by where() over the sink and by index_copy_ at the
-  tail's end, the oldest tail tokens that may leave (a fixed number E per step) are always quantized into scratch
-  buffers and copied into the store at the device offset, and only the count that really leaves (0 .. E, computed on
-  the device) is committed to `lengths` and shifted out of the tail; writes past the committed counts land in the
-  store's slack or the tail's and are overwritten later;
+* appends with one op, ops.static_append (kvkernels/reference/static_append.py is its spec): new tokens fill the
+  sink while it has room and join the tails at their ends; the oldest tail tokens that leave (0 .. E a step, counted
+  on the device) are quantized into the stores at their device counts and shifted out of the tails; the counts grow.
+  Neither the cache nor the op reads a count on the host;
 * attends with ops.decode_attention_fused over the whole buffers and `lengths` (the op's device-lengths form), so
   neither the step nor the op reads a token count on the host. Every backend takes that form: the CUDA and Triton
   kernels plan their grid and splits for the capacities and read the counts in each CTA (splits past the used tokens
@@ -25,15 +24,17 @@ holds it to that, and checks that no op of a step reads a device value on the ho
 is the fused op's arithmetic over plain quantized stores (fused_attention_operands() is not None and both stores are
 QuantStore): InnerQ, KIVI. Others raise at construction.
 
-Launches: the eager append is 34-42 small device ops per layer and step at one token a step (InnerQ 41-42, 7 of them
-its sink's; KIVI 34; tests/test_static_cache.py holds that ceiling), and a CUDA graph of the eager step still launches
-them one by one (~1.5-2 us each on an H100: the first GPU run's ~200 us step beside its ~60 us of attention was 68-80
-of them, bench/RESULTS.md). torch.compile(fullgraph=True) over the step, as KVKernelsStaticCache's generate() does,
-fuses them into ~15 kernels plus the two quantizer calls (counted on CPU).
+Launches: where the compiled CUDA op serves the device, the append is two launches (csrc/cuda/static_append.cu: one
+CTA per tensor, batch and KV head, then a one-thread commit of the counts). Elsewhere (CPU, Triton-only builds) the
+reference runs: 34-42 small device ops per layer and step at one token a step (InnerQ 41-42, 7 of them its sink's;
+KIVI 34; tests/test_static_cache.py holds that ceiling), which a CUDA graph still launches one by one (~1.5-2 us each
+on an H100: the first GPU run's ~200 us step beside its ~60 us of attention was 68-80 of them, bench/RESULTS.md), and
+torch.compile(fullgraph=True) over the step fuses into ~15 kernels plus the two quantizer calls (counted on CPU).
 
 Capacity: appending past max_tokens is a programming error that cannot be caught on the host without a sync; the
-store write then indexes past its buffer (an index error on CPU, a device-side assert on CUDA), as with transformers'
-StaticCache. seq_len and token_counts() read the device (a sync): use them outside the captured step.
+reference's store write then indexes past its buffer (an index error on CPU, a device-side assert on CUDA) and the
+CUDA kernel traps before writing, as transformers' StaticCache asserts. seq_len and token_counts() read the device
+(a sync): use them outside the captured step.
 
 Usage (a decode loop captured once and replayed; tests/test_cuda_kernels.py runs it on a GPU):
 
@@ -52,70 +53,28 @@ from . import ops, reference
 from ._validate import is_int
 from .attention import _additive_mask
 from .formats.base import QuantizedLayerCache, QuantStore, attention_operands
+from .reference.static_append import append_slots, evict_bound
 
 LENGTH_NAMES = ("sink", "key_quantized", "key_tail", "value_quantized", "value_tail")
 
 
 class _StaticTensor:
-    """One tensor's (keys' or values') store and fixed-size fp16 tail, and the per-step constants of its eviction."""
+    """One tensor's (keys' or values') store and fixed-size fp16 tail."""
 
     def __init__(self, store: QuantStore, tail: torch.Tensor, w_recent: int, step_tokens: int, max_tokens: int):
         self.store = store
         G = store.group_size
-        # the most tokens that can leave the tail in one step (E), and the tail's size during a step: before an
-        # append a "rows" tail holds <= w_recent tokens, a "cols" tail <= w_recent + G - 1
-        if store.layout == "rows":
-            self.evict_max, tail_cap = step_tokens, w_recent + step_tokens
-        else:
-            self.evict_max = (G - 1 + step_tokens) // G * G
-            tail_cap = w_recent + G - 1 + step_tokens
+        # the tail's size during a step: before an append a "rows" tail holds <= w_recent tokens, a "cols" tail
+        # <= w_recent + G - 1
+        tail_cap = w_recent + step_tokens + (0 if store.layout == "rows" else G - 1)
         if tail.shape[2] > tail_cap - step_tokens:
             raise ValueError(f"the cache's tail holds {tail.shape[2]} tokens, over its window {tail_cap - step_tokens}")
         B, H, _, D = tail.shape
         self.tail = torch.zeros(B, H, tail_cap, D, dtype=tail.dtype, device=tail.device)
         self.tail[:, :, : tail.shape[2]] = tail
-        needed = max_tokens + self.evict_max  # the slack: a step's uncommitted writes land past the used part
-        store.reserve(needed)
-        # scratch outputs of the quantizer for E tokens (fixed shapes); sym's zeros go to a throwaway buffer too
-        E, b = self.evict_max, store.bits
-        if store.layout == "rows":
-            cshape, gshape = (B, H, E, D // 32 * b), (B, H, E, D // G)
-        else:
-            cshape, gshape = (B, H, D, E // 32 * b), (B, H, D, E // G)
-        dev = tail.device
-        self.codes = torch.zeros(cshape, dtype=torch.int32, device=dev)
-        self.scales = torch.zeros(gshape, dtype=torch.float16, device=dev)
-        self.zeros = torch.zeros(gshape, dtype=torch.float16, device=dev)
-        self.tail_slots = torch.arange(tail_cap, device=dev)
-        self.evict_slots = torch.arange(E, device=dev)
-        if store.layout == "cols":  # the scratch's code words and groups, after the store's first new group g0
-            self.word_slots = torch.arange(cshape[3], device=dev)
-            self.group_slots = torch.arange(gshape[3], device=dev)
-
-    def evict(self, n_out: torch.Tensor, stored: torch.Tensor, transform) -> None:
-        """Quantize the tail's first E tokens into the store at token `stored`, then shift the n_out (0 .. E, a
-        device tensor) that really leave out of the tail."""
-        st = self.store
-        oldest = self.tail[:, :, : self.evict_max]
-        oldest = transform(oldest) if transform is not None else oldest
-        src = (oldest if st.layout == "rows" else oldest.transpose(2, 3)).contiguous()
-        ops.quantize_groups_into(src, st.bits, st.group_size, st.mode, st.eta, self.codes, self.scales, self.zeros)
-        if st.layout == "rows":
-            tok = stored + self.evict_slots
-            st.codes.index_copy_(2, tok, self.codes)
-            st.scales.index_copy_(2, tok, self.scales)
-            if st.zeros is not None:
-                st.zeros.index_copy_(2, tok, self.zeros)
-        else:  # stored is a multiple of G (whole groups leave a "cols" tail), so its first word is g0 * G * bits / 32
-            g0 = stored // st.group_size
-            words = g0 * (st.group_size * st.bits // 32) + self.word_slots
-            groups = g0 + self.group_slots
-            st.codes.index_copy_(3, words, self.codes)
-            st.scales.index_copy_(3, groups, self.scales)
-            if st.zeros is not None:
-                st.zeros.index_copy_(3, groups, self.zeros)
-        shifted = (self.tail_slots + n_out).clamp(max=self.tail.shape[2] - 1)
-        self.tail.copy_(self.tail.index_select(2, shifted))
+        # E, the most tokens that can leave the tail in one step: the append writes up to E past the store's count
+        self.evict_max = evict_bound(tail_cap, w_recent, store.step)
+        store.reserve(max_tokens + self.evict_max)
 
 
 def static_format_error(cache: QuantizedLayerCache) -> str | None:
@@ -164,11 +123,12 @@ class StaticLayerCache:
         self.values = _StaticTensor(cache.value_store, cache.value_tail, cache.w_recent, step_tokens, max_tokens)
         counts = cache.token_counts()
         self.lengths = torch.tensor([counts[n] for n in LENGTH_NAMES], dtype=torch.int64, device=self.device)
-        self.sink_slots = torch.arange(self.w_sink, device=self.device)
-        self.step_slots = torch.arange(step_tokens, device=self.device)
-        # the two tensors' store steps (keys, values): tokens leave a tail in multiples of them
-        self.store_steps = torch.tensor([t.store.step for t in (self.keys, self.values)], device=self.device)
         self.key_norm = cache.key_norm
+        # the append: the compiled CUDA op (two launches) where it serves this device, else the reference's fixed-shape
+        # PyTorch ops over index ranges made once here
+        self.compiled_append = self.device.type == "cuda" and ops.CUDA_IMPL.get("static_append") == "cuda"
+        sides = [(t.tail.shape[2], t.store.layout, t.store.bits) for t in (self.keys, self.values)]
+        self._slots = append_slots(step_tokens, self.w_sink, sides, self.w_recent, cache.config.group_size, self.device)
         # the op's mask spans every token the buffers can hold; a caller's mask (>= max_tokens columns) is padded
         stores = [t.store.cap + t.tail.shape[2] for t in (self.keys, self.values)]
         self.mask_tokens = self.w_sink + min(stores)
@@ -225,7 +185,7 @@ class StaticLayerCache:
         for side in (self.keys, self.values):
             st = side.store
             yield from (t for t in (st.codes, st.scales, st.zeros) if t is not None)
-            yield from (side.tail, side.codes, side.scales, side.zeros)
+            yield side.tail
 
     def __repr__(self):
         return f"StaticLayerCache({self.cache.config}, max_tokens={self.max_tokens}, step_tokens={self.step_tokens})"
@@ -259,50 +219,19 @@ class StaticLayerCache:
                 raise TypeError(f"{name} must be floating point, got {t.dtype}")
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append step_tokens new tokens' K/V [B, H_kv, step_tokens, D]: fixed-shape device ops only (module
-        docstring), so it can be captured in a CUDA graph.
-
-        Each op is a launch of a replayed graph, so the bookkeeping of keys and values is done on both at once (their
-        counts are lengths[1::2] and lengths[2::2]), and the new tokens are written with index_copy_ at the tail's
-        end: the n - rest slots past the tokens that really go there (while the sink takes some) lie past the tail's
-        count, where nothing reads them before they are written again."""
+        """Append step_tokens new tokens' K/V [B, H_kv, step_tokens, D]: ops.static_append over this cache's buffers and
+        `lengths` (module docstring), so it can be captured in a CUDA graph."""
         self._check_kv(k, v)
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        n = self.step_tokens
-        counts = self.lengths
-        stored, tails = counts[1::2], counts[2::2]  # (key store, value store), (key tail, value tail): views
-        if self.w_sink:
-            S = counts[0]
-            take = (self.w_sink - S).clamp(0, n)  # tokens that fill the sink (only while stores and tails are empty)
-            # sink slot j takes token j - S when 0 <= j - S < take; as j < w_sink, j - S < take iff j - S < n
-            sink_k, sink_v = self.cache._sink_k, self.cache._sink_v
-            rest = n - take
-            if n == 1:  # plain decoding: slot S (if any) takes the token, broadcast by where(); if it did, the
-                # token also goes to the tail below, past the tail's count
-                fresh = self.sink_slots == S
-                sink_k.copy_(torch.where(fresh[:, None], k, sink_k))
-                sink_v.copy_(torch.where(fresh[:, None], v, sink_v))
-            else:
-                src_idx = self.sink_slots - S
-                clamped = src_idx.clamp(0, n - 1)
-                fresh = clamped == src_idx
-                sink_k.copy_(torch.where(fresh[:, None], k.index_select(2, clamped), sink_k))
-                sink_v.copy_(torch.where(fresh[:, None], v.index_select(2, clamped), sink_v))
-                src = (take + self.step_slots).clamp(max=n - 1)  # the tail's tokens: those after the sink's first
-                k, v = k.index_select(2, src), v.index_select(2, src)
+        ks, vs = self.keys.store, self.values.store
+        args = (
+            k.to(self.dtype), v.to(self.dtype), self.lengths, self.cache._sink_k, self.cache._sink_v, ks.codes,
+            ks.scales, ks.zeros, vs.codes, vs.scales, vs.zeros, self.keys.tail, self.values.tail, ks.bits, ks.mode,
+            ks.layout, ks.eta, vs.bits, vs.mode, vs.layout, vs.eta, ks.group_size, self.w_recent, self.key_norm,
+        )  # fmt: skip
+        if self.compiled_append:
+            torch.ops.kvkernels.static_append.default(*args)
         else:
-            rest = n
-        at = tails[:, None] + self.step_slots  # [2, n]: the tail slots of the new tokens, keys then values
-        self.keys.tail.index_copy_(2, at[0], k)
-        self.values.tail.index_copy_(2, at[1], v)
-        # tokens that leave each tail: (tail - w_recent) rounded down to the store's step, at least 0
-        n_out = (tails + rest - self.w_recent).clamp(min=0) // self.store_steps * self.store_steps
-        self.keys.evict(n_out[0], stored[0], self.cache._keys_to_store)
-        self.values.evict(n_out[1], stored[1], None)
-        stored.add_(n_out)  # in place, after every read of the counts above
-        tails.add_(rest - n_out)
-        if self.w_sink:
-            counts[0].add_(take)
+            reference.static_append(*args, slots=self._slots)
 
     def fused_attention_operands(self) -> dict:
         """ops.decode_attention_fused's keyword arguments (all but x and attn_mask) over the whole buffers, with

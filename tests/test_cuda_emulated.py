@@ -49,7 +49,7 @@ def driver() -> Path:
 
 @pytest.mark.parametrize(
     "which",
-    ["decode", "iq", "kivi", "q", "lattice", "aqua", "attn"],
+    ["decode", "iq", "kivi", "q", "lattice", "aqua", "attn", "append"],
     ids=[
         "mma_decoders",
         "gemv_inner_q",
@@ -58,6 +58,7 @@ def driver() -> Path:
         "gemv_lattice",
         "aqua_reconstruct",
         "decode_attention_fused",
+        "static_append",
     ],  # fmt: skip
 )
 def test_cuda_kernel_under_emulation(driver, which):

@@ -1046,3 +1046,56 @@ def test_decode_attention_fused_deterministic_and_errors():
     dev96 = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw96.items()}
     with pytest.raises((ValueError, RuntimeError), match="head_dim"):
         op(torch.randn((1, 1, 1, 96), device=DEV), **dev96)
+
+
+# ---- static_append ---------------------------------------------------------------------------------------------
+# The compiled op (csrc/cuda/static_append.cu, two launches) against the reference (kvkernels/reference/
+# static_append.py) over the same decode loop: the same counts, dequantized tokens and store words at every step, from
+# a sink still filling (prefill 6) or a long prompt (150), one or three tokens a step, fp16 / bf16 / fp32 windows.
+STATIC_APPEND_CASES = [
+    ("innerq_base", 6, 1, torch.float16), ("innerq_base", 150, 3, torch.bfloat16),
+    ("innerq_hybrid", 6, 3, torch.float16), ("innerq_hybrid", 150, 1, torch.float32),
+    ("kivi2", 6, 3, torch.float32), ("kivi2", 150, 1, torch.float16),
+    ("kivi4", 6, 1, torch.bfloat16), ("kivi4", 150, 3, torch.float16),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "preset, prefill, step_tokens, dtype",
+    STATIC_APPEND_CASES,
+    ids=[f"{p}-prefill{n}-step{s}-{str(d).split('.')[1]}" for p, n, s, d in STATIC_APPEND_CASES],
+)
+def test_static_append_matches_the_reference(preset, prefill, step_tokens, dtype):
+    from kvkernels import ops
+    from kvkernels.formats import PRESETS, make_layer_cache
+    from kvkernels.static_cache import StaticLayerCache
+
+    assert ops.CUDA_IMPL.get("static_append") == "cuda"
+    B, H, D, steps = 2, 2, 128, 70
+    N = prefill + steps * step_tokens
+    g = _gen(11)
+    k = torch.randn(B, H, N, D, generator=g).to(DEV, dtype)
+    v = torch.randn(B, H, N, D, generator=g).to(DEV, dtype)
+
+    def static():
+        c = make_layer_cache(PRESETS[preset], B, H, D, capacity=64, device=DEV, dtype=dtype)
+        c.prefill(k[:, :, :prefill], v[:, :, :prefill])
+        return StaticLayerCache(c, max_tokens=N, step_tokens=step_tokens)
+
+    fast, ref = static(), static()
+    assert fast.compiled_append
+    ref.compiled_append = False  # the reference's fixed-shape ops on the same device
+    for step, i in enumerate(range(prefill, N, step_tokens)):
+        kk, vv = k[:, :, i : i + step_tokens], v[:, :, i : i + step_tokens]
+        fast.append(kk, vv)
+        ref.append(kk, vv)
+        assert torch.equal(fast.lengths, ref.lengths)
+        if step % 5 == 4 or i + step_tokens >= N:  # every few steps (the sanitizers run this test too) and at the end
+            for got, want in zip(fast.dequantized(), ref.dequantized(), strict=True):
+                assert torch.equal(got, want)
+    for side, count in (("keys", 1), ("values", 3)):
+        a, b = getattr(fast, side).store, getattr(ref, side).store
+        n = int(fast.lengths[count])
+        for x, y in zip(type(a).views(a, 0, n), type(b).views(b, 0, n), strict=True):
+            if x is not None:
+                assert torch.equal(x, y)  # codes, scales, zeros of the used part, word for word

@@ -150,6 +150,9 @@ def _values(n, dtype, kind, gen):
     if not dtype.is_floating_point:
         if kind.startswith("codes"):  # valid codes for `bits`
             v = torch.randint(0, 2 ** int(kind[5:]), (n,), generator=gen)
+        elif kind.startswith("counts:"):  # given values (static_append's lengths), then junk
+            given = [int(c) for c in kind[7:].split(",")]
+            v = torch.cat([torch.tensor(given[:n]), torch.randint(-9, 9, (max(n - len(given), 0),), generator=gen)])
         elif kind == "oob":
             v = torch.randint(-40, 40, (n,), generator=gen)
         elif kind == "signs":  # the lattice ops' sign vectors
@@ -663,6 +666,69 @@ def decode_attention_fused_cases(draw):
     return _finish(draw, case, bad, optional=("key_zeros", "value_zeros", "key_x_scale", "attn_mask"))
 
 
+@st.composite
+def static_append_cases(draw):
+    # capacity buffers and device counts that meet the op's preconditions (kvkernels/reference/static_append.py: the
+    # tails have room for the new tokens, the stores for E more past their counts, "cols" counts whole groups), so
+    # that the meta call (which cannot read the counts) and the CPU call agree; mutations break the metadata
+    B, H, n = draw(_product((0, 1, 1, 2), (1, 2), (1, 1, 2, 3)))
+    group, k_layout, v_layout = draw(_product(ATTN_GROUPS, LAYOUTS, LAYOUTS))
+    D = draw(st.sampled_from([d for d in ATTN_DIMS if d % group == 0 or "rows" not in (k_layout, v_layout)]))
+    W, w_recent = draw(_product((0, 1, 2, 4), (0, 1, 4, 8)))
+    S = draw(st.integers(0, W))
+    wild = draw(st.sampled_from((False, False, False, True)))
+    values, scale_values = (FLOAT_VALUES, SCALE_VALUES + ("sscale",)) if wild else (TAME_VALUES, TAME_SCALES)
+    dtype = draw(st.sampled_from(FLOAT_X))
+    args, counts = {}, [S]
+    sides = {}
+    for side, layout in (("key", k_layout), ("value", v_layout)):
+        bits, mode = draw(_product(BITS, MODES))
+        eta = draw(st.sampled_from(ETAS)) if mode == "asym" else 0.0
+        step = 1 if layout == "rows" else group
+        tail_cap = w_recent + n + (group - 1 if layout == "cols" else 0) + draw(st.sampled_from((0, 0, 1, 3)))
+        E = max(tail_cap - w_recent, 0) // step * step
+        cap = E + step * draw(st.sampled_from((0, 1, 2, 3)))
+        stored = step * draw(st.integers(0, (cap - E) // step))
+        tail = draw(st.integers(0, tail_cap - n))
+        counts += [stored, tail]
+        if layout == "rows":
+            words, groups = (B, H, cap, D // 32 * bits), (B, H, cap, D // group)
+        else:
+            words, groups = (B, H, D, cap // 32 * bits), (B, H, D, cap // group)
+        zeros = None
+        if mode != "sym" or draw(st.booleans()):
+            zeros = _attention_spec(draw, groups, torch.float16, scale_values)
+        sides[side] = {
+            "codes": _attention_spec(draw, words, torch.int32, ("bits",)),
+            "scales": _attention_spec(draw, groups, torch.float16, scale_values),
+            "zeros": zeros,
+            "tail": _attention_spec(draw, (B, H, tail_cap, D), dtype, values),
+            "bits": bits,
+            "mode": mode,
+            "layout": layout,
+            "eta": eta,
+        }
+    x_scale = _attention_spec(draw, (H, D), torch.float32, ("scale",)) if draw(st.booleans()) else None
+    args = {
+        "k": _attention_spec(draw, (B, H, n, D), dtype, values),
+        "v": _attention_spec(draw, (B, H, n, D), dtype, values),
+        "lengths": TSpec((5,), torch.int64, "contig", "counts:" + ",".join(map(str, counts))),
+        "sink_keys": _attention_spec(draw, (B, H, W, D), dtype, values),
+        "sink_values": _attention_spec(draw, (B, H, W, D), dtype, values),
+    }
+    for side in ("key", "value"):
+        args |= {f"{side}_{t}": sides[side][t] for t in ("codes", "scales", "zeros")}
+    args |= {"key_tail": sides["key"]["tail"], "value_tail": sides["value"]["tail"]}
+    for side in ("key", "value"):
+        args |= {f"{side}_{t}": sides[side][t] for t in ("bits", "mode", "layout", "eta")}
+    args |= {"group_size": group, "w_recent": w_recent, "key_x_scale": x_scale}
+    case = Case("static_append", args, draw(st.integers(0, 2**32 - 1)))
+    bad = {"key_bits": BAD_BITS, "value_bits": BAD_BITS, "key_mode": BAD_MODES, "value_mode": BAD_MODES}
+    bad |= {"key_layout": LAYOUT_MUTATIONS, "value_layout": LAYOUT_MUTATIONS, "group_size": ATTN_BAD_GROUPS}
+    bad |= {"key_eta": BAD_ETAS, "value_eta": BAD_ETAS, "w_recent": (-1, -8, -(2**63))}
+    return _finish(draw, case, bad, optional=("key_zeros", "value_zeros", "key_x_scale"))
+
+
 CASES = {
     "pack_bits": pack_bits_cases,
     "unpack_bits": unpack_bits_cases,
@@ -681,6 +747,7 @@ CASES = {
     "gemv_lattice_v": gemv_lattice_v_cases,
     "aqua_reconstruct": aqua_reconstruct_cases,
     "decode_attention_fused": decode_attention_fused_cases,
+    "static_append": static_append_cases,
 }
 
 
@@ -1031,7 +1098,7 @@ def _check_nothing_outside(op, before, a):
         view = a[name]
         inside = torch.zeros(buf.shape, dtype=torch.bool)
         inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
-        same = (buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype) == snapshot) | inside
+        same = (_bits(buf) == snapshot) | inside  # bit patterns: a NaN left alone is unchanged
         assert bool(same.all()), f"{op} wrote outside {name}"
 
 
@@ -1083,8 +1150,86 @@ def check_result(op, a, got, before, backend="cpu"):
         check_aqua_reconstruct(*(a[k] for k in _ARG_NAMES[op]), got)
     elif op == "decode_attention_fused":
         check_decode_attention_fused(*(a[k] for k in _ARG_NAMES[op]), got, factorized=backend == "triton")
+    elif op == "static_append":
+        assert got is None
+        check_static_append(a, before)
+        _check_nothing_outside(op, before, a)
     else:
         raise AssertionError(f"no oracle for {op}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's raw bit patterns (NaNs compare by payload, as copies keep them)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[t.element_size()])
+
+
+def _was(before, a, name):
+    """Argument `name` as it was before the call (from the snapshot of its backing buffer)."""
+    buf, snap = before[name]
+    view = a[name]
+    return snap.view(buf.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def check_static_append(a, before):
+    """The spec of kvkernels/reference/static_append.py, written out: counts, sink, tails (their kept tokens), and
+    each store's new tokens against reference.quantize_groups of the tokens that left (keys divided by key_x_scale);
+    the stores' earlier tokens and everything past count + E unchanged, the sink's other slots unchanged."""
+    L0 = [int(c) for c in _was(before, a, "lengths")]
+    n, W, G, wr = a["k"].shape[2], a["sink_keys"].shape[2], a["group_size"], a["w_recent"]
+    take = min(max(W - L0[0], 0), n)
+    rest = n - take
+    want_len = [L0[0] + take]
+    for i, (side, new) in enumerate((("key", a["k"]), ("value", a["v"]))):
+        sink = a[f"sink_{side}s"]
+        sink0 = _was(before, a, f"sink_{side}s")
+        S = L0[0]
+        assert torch.equal(_bits(sink[:, :, S : S + take]), _bits(new[:, :, :take])), f"{side} sink slots"
+        assert torch.equal(_bits(sink[:, :, :S]), _bits(sink0[:, :, :S])), f"{side} sink overwritten"
+        assert torch.equal(_bits(sink[:, :, S + take :]), _bits(sink0[:, :, S + take :])), f"{side} sink overwritten"
+        layout, bits, mode, eta = (a[f"{side}_{t}"] for t in ("layout", "bits", "mode", "eta"))
+        stored, tail_n = L0[1 + 2 * i], L0[2 + 2 * i]
+        step = 1 if layout == "rows" else G
+        n_out = max(tail_n + rest - wr, 0) // step * step
+        tail0 = _was(before, a, f"{side}_tail")
+        full = torch.cat([tail0[:, :, :tail_n], new[:, :, take:]], dim=2)  # the tail after the new tokens joined
+        keep = tail_n + rest - n_out
+        assert torch.equal(_bits(a[f"{side}_tail"][:, :, :keep]), _bits(full[:, :, n_out:])), f"{side} tail"
+        want_len += [stored + n_out, keep]
+        left = full[:, :, :n_out].float()
+        if side == "key" and a["key_x_scale"] is not None:
+            left = left / a["key_x_scale"][None, :, None, :]
+        E = max(a[f"{side}_tail"].shape[2] - wr, 0) // step * step
+        for t in ("codes", "scales", "zeros"):
+            name = f"{side}_{t}"
+            if a[name] is None:
+                continue
+            got, was = a[name], _was(before, a, name)
+            if layout == "rows":
+                lo, hi = stored, stored + E
+            elif t == "codes":  # "cols": bits / 32 words, or one group's scale per G tokens
+                lo, hi = stored * bits // 32, (stored + E) * bits // 32
+            else:
+                lo, hi = stored // G, (stored + E) // G
+            dim = 2 if layout == "rows" else 3
+            assert torch.equal(_bits(got.narrow(dim, 0, lo)), _bits(was.narrow(dim, 0, lo))), f"{name}: earlier tokens"
+            past = got.shape[dim] - hi
+            assert torch.equal(_bits(got.narrow(dim, hi, past)), _bits(was.narrow(dim, hi, past))), f"{name}: past E"
+        if n_out:
+            x = left if layout == "rows" else left.transpose(2, 3)
+            lo = stored if layout == "rows" else stored * bits // 32
+            if layout == "rows":
+                sl = [a[f"{side}_{t}"][:, :, stored : stored + n_out] if a[f"{side}_{t}"] is not None else None
+                      for t in ("codes", "scales", "zeros")]  # fmt: skip
+            else:
+                sl = [a[f"{side}_codes"][..., lo : lo + n_out * bits // 32]]
+                sl += [a[f"{side}_{t}"][..., stored // G : (stored + n_out) // G] if a[f"{side}_{t}"] is not None
+                       else None for t in ("scales", "zeros")]  # fmt: skip
+            if sl[2] is None:  # sym without a zeros buffer: the quantizer's zeros are 0
+                sl[2] = torch.zeros_like(sl[1])
+            check_quantized(x, bits, G, mode, eta, tuple(sl))
+    assert [int(c) for c in a["lengths"]] == want_len, f"lengths {a['lengths'].tolist()}, want {want_len}"
 
 
 def _assert_clear(op, e, where):
@@ -1118,6 +1263,19 @@ _OUTPUTS = {
     "quantize_groups_into": ("codes", "scales", "zeros"),
     "gemv_inner_q_into": ("out",),
     "gemv_kivi_into": ("out",),
+    "static_append": (
+        "lengths",
+        "sink_keys",
+        "sink_values",
+        "key_codes",
+        "key_scales",
+        "key_zeros",
+        "value_codes",
+        "value_scales",
+        "value_zeros",
+        "key_tail",
+        "value_tail",
+    ),
 }
 
 
@@ -1141,7 +1299,7 @@ def run_case(case: Case, backend: str = "cpu") -> tuple[str, str]:
         for name in _OUTPUTS[op]:
             if bufs.get(name) is not None:
                 buf = bufs[name]
-                before[name] = (buf, buf.view(torch.int16 if buf.dtype == torch.float16 else buf.dtype).clone())
+                before[name] = (buf, _bits(buf).clone())
     inputs = {k: (v.clone() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v) for k, v in a.items()}
 
     cpu_err = got = None
@@ -1287,6 +1445,32 @@ _ARG_NAMES = {
         "attn_mask",
         "split_tokens",
         "lengths",  # the device-lengths form: tests/test_fused_attention.py (capacity buffers with junk)
+    ),
+    "static_append": (
+        "k",
+        "v",
+        "lengths",
+        "sink_keys",
+        "sink_values",
+        "key_codes",
+        "key_scales",
+        "key_zeros",
+        "value_codes",
+        "value_scales",
+        "value_zeros",
+        "key_tail",
+        "value_tail",
+        "key_bits",
+        "key_mode",
+        "key_layout",
+        "key_eta",
+        "value_bits",
+        "value_mode",
+        "value_layout",
+        "value_eta",
+        "group_size",
+        "w_recent",
+        "key_x_scale",
     ),
 }
 

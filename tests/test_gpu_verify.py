@@ -79,10 +79,10 @@ def _selected(k: str) -> list[str]:
         ("MEMCHECK_K", ("inner_q", "kivi", "lattice", "aqua", "decode_attention_fused_shapes",
                         "decode_attention_fused_layouts", "decode_attention_fused_device_lengths",
                         "decode_attention_fused_store_tiles[", "decode_attention_fused_store_tiles_device_lengths",
-                        "decode_attention_fused_kivi_tiles[", "quantize", "dequantize"), 165),
+                        "decode_attention_fused_kivi_tiles[", "quantize", "dequantize", "static_append"), 166),
         ("RACE_K", ("inner_q", "kivi", "lattice", "aqua", "decode_attention_fused_layouts",
                     "decode_attention_fused_masks", "decode_attention_fused_store_tiles[",
-                    "decode_attention_fused_kivi_tiles["), 24),
+                    "decode_attention_fused_kivi_tiles[", "static_append"), 25),
     ],
 )  # fmt: skip
 def test_sanitizer_filters_select_every_kernel_family(name, families, most):

@@ -148,7 +148,27 @@ def _opcheck_cases():
         **_lattice_opcheck_cases(),
         **_aqua_opcheck_cases(),
         **_attention_opcheck_cases(),
+        **_static_append_opcheck_cases(),
     }
+
+
+def _static_append_opcheck_cases():
+    # one decode step into a static KIVI cache whose key tail is about to leave a group (tests/test_static_append.py)
+    from kvkernels.formats import PRESETS, make_layer_cache
+    from kvkernels.static_cache import StaticLayerCache
+
+    g = torch.Generator().manual_seed(8)
+    c = make_layer_cache(PRESETS["kivi2"], 1, 2, 64, capacity=64)
+    c.prefill(torch.randn(1, 2, 160, 64, generator=g).half(), torch.randn(1, 2, 160, 64, generator=g).half())
+    st = StaticLayerCache(c, max_tokens=200)
+    ks, vs = st.keys.store, st.values.store
+    k, v = torch.randn(1, 2, 1, 64, generator=g).half(), torch.randn(1, 2, 1, 64, generator=g).half()
+    args = (
+        k, v, st.lengths, c._sink_k, c._sink_v, ks.codes, ks.scales, ks.zeros, vs.codes, vs.scales, vs.zeros,
+        st.keys.tail, st.values.tail, ks.bits, ks.mode, ks.layout, ks.eta, vs.bits, vs.mode, vs.layout, vs.eta,
+        ks.group_size, st.w_recent, st.key_norm,
+    )  # fmt: skip
+    return {"static_append": (torch.ops.kvkernels.static_append.default, args)}
 
 
 def _attention_opcheck_cases():

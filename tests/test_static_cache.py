@@ -186,7 +186,8 @@ class _DeviceOps(TorchDispatchMode):
 # new tokens written by index_copy_ instead of where() over the whole tail, and the scratch's index ranges made once:
 # InnerQ 41-42 at one token a step (its sink takes 7 of them), KIVI 34. A ceiling, not a target: Inductor fuses the
 # step's append into ~15 kernels plus the two quantize_groups_into calls (torch.compile(fullgraph=True), counted on
-# CPU), and a fused append kernel would make it one or two.
+# CPU), and the compiled CUDA op (ops.static_append, csrc/cuda/static_append.cu) makes it two launches; this counts
+# the reference, which serves CPU and Triton-only builds.
 APPEND_DEVICE_OPS = {"innerq_base": 41, "innerq_hybrid": 42, "kivi2": 34, "kivi4": 34}
 
 

@@ -326,6 +326,40 @@ struct UnpackParams {
 };
 cudaError_t launch_unpack_bits(const UnpackParams& p, cudaStream_t stream);
 
+// static_append: one decode step's append into a static cache (capacity-shaped buffers, token counts on the device),
+// the effect of QuantizedLayerCache.append on the used parts (kvkernels/reference/static_append.py is the spec).
+// lengths = (S, key store, key tail, value store, value tail) tokens, read by every CTA and committed by a second,
+// one-thread kernel after the first ends, so nothing is read on the host and the pair can be captured in a graph.
+struct AppendSide {        // keys or values
+  const void* x;           // the new tokens [B, H, n, D] (window dtype)
+  int64_t x_sb, x_sh, x_st;
+  void* sink;              // [B, H, W, D]
+  int64_t sk_sb, sk_sh, sk_st;
+  void* tail;              // [B, H, tail_cap, D]
+  int64_t t_sb, t_sh, t_st, tail_cap;
+  uint32_t* codes;         // the quantized store (layout rows or cols, as AttnStore), `cap` tokens
+  uint16_t* scales;
+  uint16_t* zeros;         // nullptr for sym
+  int64_t c_sb, c_sh, c_sr, s_sb, s_sh, s_sr, z_sb, z_sh, z_sr;
+  int64_t cap;
+  int bits;
+  QuantMode mode;
+  StoreLayout layout;
+  AsymCalib calib;
+  const float* x_scale;    // keys: stored as x / x_scale[h, d] (fp32 [H, D], row stride xs_sh); nullptr: as they are
+  int64_t xs_sh;
+};
+struct StaticAppendParams {
+  AppendSide side[2];      // keys, values
+  int64_t* lengths;        // int64 [5] on the device
+  int64_t B, H, n, W, D;   // batch, KV heads, new tokens, sink capacity, head_dim
+  int64_t w_recent;
+  int group_size;
+  int elem_bytes;          // 2 (fp16 / bf16) or 4 (fp32): the windows' element size
+  XDtype dtype;
+};
+cudaError_t launch_static_append(const StaticAppendParams& p, cudaStream_t stream);
+
 // Deterministic split-K combine shared by both GEMVs: y[b, h, t, n] = sum_{s < splits} ws[s, b, h, t, n]
 // (fixed order), ws contiguous [splits, B, H, T, N], y with strides (y_sb, y_sh, y_st, 1).
 cudaError_t launch_combine_splits(const float* ws, int splits, int64_t B, int64_t H, int64_t T, int64_t N, float* y,

@@ -849,6 +849,80 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
   return out;
 }
 
+// ---- static append ---------------------------------------------------------------------------------------------
+
+kvk::AppendSide append_side(const at::Tensor& x, const at::Tensor& sink, const at::Tensor& tail,
+                            const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                            int64_t bits, kvk::QuantMode mode, bool cols, double eta) {
+  kvk::AppendSide a{};
+  a.x = x.const_data_ptr();
+  a.x_sb = x.stride(0), a.x_sh = x.stride(1), a.x_st = x.stride(2);
+  a.sink = sink.numel() ? sink.data_ptr() : nullptr;
+  a.sk_sb = sink.stride(0), a.sk_sh = sink.stride(1), a.sk_st = sink.stride(2);
+  a.tail = tail.numel() ? tail.data_ptr() : nullptr;
+  a.t_sb = tail.stride(0), a.t_sh = tail.stride(1), a.t_st = tail.stride(2), a.tail_cap = tail.size(2);
+  a.codes = reinterpret_cast<uint32_t*>(codes.data_ptr<int32_t>());
+  a.scales = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  a.zeros = zeros.has_value() ? reinterpret_cast<uint16_t*>(zeros->data_ptr<at::Half>()) : nullptr;
+  a.c_sb = codes.stride(0), a.c_sh = codes.stride(1), a.c_sr = codes.stride(2);
+  a.s_sb = scales.stride(0), a.s_sh = scales.stride(1), a.s_sr = scales.stride(2);
+  if (zeros.has_value()) a.z_sb = zeros->stride(0), a.z_sh = zeros->stride(1), a.z_sr = zeros->stride(2);
+  a.cap = cols ? codes.size(3) / bits * kBlock : codes.size(2);
+  a.bits = static_cast<int>(bits);
+  a.mode = mode;
+  a.layout = cols ? kvk::StoreLayout::kCols : kvk::StoreLayout::kRows;
+  a.calib = kvk::asym_calib(eta);  // as quantize_groups_into
+  return a;
+}
+
+void static_append(const at::Tensor& k, const at::Tensor& v, at::Tensor lengths, at::Tensor sink_keys,
+                   at::Tensor sink_values, at::Tensor key_codes, at::Tensor key_scales,
+                   const std::optional<at::Tensor>& key_zeros, at::Tensor value_codes, at::Tensor value_scales,
+                   const std::optional<at::Tensor>& value_zeros, at::Tensor key_tail, at::Tensor value_tail,
+                   int64_t key_bits, const std::string& key_mode, const std::string& key_layout, double key_eta,
+                   int64_t value_bits, const std::string& value_mode, const std::string& value_layout,
+                   double value_eta, int64_t group_size, int64_t w_recent,
+                   const std::optional<at::Tensor>& key_x_scale) {
+  const char* op = "static_append";
+  const AppendSizes z = check_static_append(
+      k, v, lengths, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
+      key_tail, value_tail, key_bits, key_mode, key_layout, key_eta, value_bits, value_mode, value_layout, value_eta,
+      group_size, w_recent, key_x_scale);
+  const at::Device device = k.device();
+  check_cuda(op, "k", k, device);
+  check_cuda(op, "v", v, device);
+  check_cuda(op, "lengths", lengths, device);
+  check_cuda(op, "sink_keys", sink_keys, device);
+  check_cuda(op, "sink_values", sink_values, device);
+  check_cuda(op, "key_codes", key_codes, device);
+  check_cuda(op, "key_scales", key_scales, device);
+  if (key_zeros.has_value()) check_cuda(op, "key_zeros", *key_zeros, device);
+  check_cuda(op, "value_codes", value_codes, device);
+  check_cuda(op, "value_scales", value_scales, device);
+  if (value_zeros.has_value()) check_cuda(op, "value_zeros", *value_zeros, device);
+  check_cuda(op, "key_tail", key_tail, device);
+  check_cuda(op, "value_tail", value_tail, device);
+  if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
+
+  const c10::cuda::CUDAGuard device_guard(device);
+  kvk::StaticAppendParams p{};
+  p.side[0] = append_side(k, sink_keys, key_tail, key_codes, key_scales, key_zeros, key_bits, z.key_mode, z.key_cols,
+                          key_eta);
+  p.side[1] = append_side(v, sink_values, value_tail, value_codes, value_scales, value_zeros, value_bits,
+                          z.value_mode, z.value_cols, value_eta);
+  if (key_x_scale.has_value()) {
+    p.side[0].x_scale = key_x_scale->const_data_ptr<float>();
+    p.side[0].xs_sh = key_x_scale->stride(0);
+  }
+  p.lengths = lengths.data_ptr<int64_t>();
+  p.B = z.B, p.H = z.H, p.n = z.n, p.W = z.W, p.D = z.D;
+  p.w_recent = w_recent;
+  p.group_size = static_cast<int>(group_size);
+  p.elem_bytes = static_cast<int>(k.element_size());
+  p.dtype = activation_dtype(op, "k", k);
+  check_launch(op, kvk::launch_static_append(p, current_stream()));
+}
+
 }  // namespace
 }  // namespace kvk_cuda
 
@@ -867,4 +941,5 @@ TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("gemv_lattice_v", &kvk_cuda::gemv_lattice_v);
   m.impl("aqua_reconstruct", &kvk_cuda::aqua_reconstruct);
   m.impl("decode_attention_fused", &kvk_cuda::decode_attention_fused);
+  m.impl("static_append", &kvk_cuda::static_append);
 }

@@ -14,6 +14,7 @@ from .lattice import (
 )
 from .packing import pack_bits, unpack_bits
 from .quant import dequantize_groups, group_affine, quantize_groups
+from .static_append import static_append
 
 
 def quantize_groups_into(x, bits, group_size, mode, eta, codes, scales, zeros) -> None:
@@ -40,6 +41,7 @@ __all__ = [
     "pack_lattice_indices",
     "quantize_groups",
     "quantize_groups_into",
+    "static_append",
     "unpack_bits",
     "unpack_lattice_indices",
 ]

@@ -14,7 +14,7 @@ opt=${EMU_OPT:--O0 -g1}
 cxx=(g++ -std=c++20 $opt "-fsanitize=$san" -fno-sanitize-recover=undefined -include "$here/emu.h"
      -I"$root/csrc" -I"$cuda_inc" -w)
 pids=()
-kernels=(gemv_inner_q gemv_kivi gemv_lattice quantize aqua_reconstruct decode_attention decode_attention_store)
+kernels=(gemv_inner_q gemv_kivi gemv_lattice quantize aqua_reconstruct decode_attention decode_attention_store static_append)
 objs=()
 for f in "${kernels[@]}"; do
   bash "$here/prep.sh" "$root/csrc/cuda/$f.cu" > "$out/$f.emu.cpp"

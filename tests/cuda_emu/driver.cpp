@@ -254,6 +254,185 @@ void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, 
          (bad || touched) ? "FAIL" : "ok", bad, touched);
 }
 
+// ---- static_append ------------------------------------------------------------------------------------------------
+// A decode loop of `steps` appends of n tokens into capacity buffers (padded row strides), against a host model of
+// the spec (kvkernels/reference/static_append.py): the sink takes tokens while it has room, the tails take the rest,
+// and each tail's oldest tokens past w_recent (whole groups for "cols") are quantized into its store by quant.cuh's
+// group functions (keys divided by x_scale first). After every step the counts, the used part of the sink, tails
+// and stores must be exactly the model's. bad_at >= 0: lengths are corrupted before step bad_at so that the tail
+// would overflow: the kernel must trap and leave the counts alone.
+struct AppendSideSpec { bool cols; int bits; QuantMode mode; float eta; };
+static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_recent, int64_t n, int steps, int G,
+                        AppendSideSpec ks, AppendSideSpec vs, XDtype dt, bool x_scale, int bad_at = -1) {
+  const size_t es = xsize(dt);
+  const AppendSideSpec spec[2] = {ks, vs};
+  const int64_t total = n * steps;
+  // buffers: tails at w_recent + n (+ G - 1), stores with room for every token plus E, row strides padded
+  int64_t tail_cap[2], cap[2], E[2], c_sr[2], s_sr[2];
+  std::vector<std::unique_ptr<Buf<char>>> tails, xs;
+  std::vector<std::unique_ptr<Buf<uint32_t>>> codes;
+  std::vector<std::unique_ptr<Buf<uint16_t>>> scales, zeros;
+  Buf<char> sink_k(B * H * std::max<int64_t>(W, 1) * D * es), sink_v(B * H * std::max<int64_t>(W, 1) * D * es);
+  Buf<float> xsc(H * D);
+  for (int64_t i = 0; i < H * D; ++i) xsc.p[i] = 0.5f + std::fabs(frand()) * 3.f;
+  StaticAppendParams p{};
+  for (int s = 0; s < 2; ++s) {
+    const int64_t step = spec[s].cols ? G : 1;
+    tail_cap[s] = w_recent + n + (spec[s].cols ? G - 1 : 0);
+    E[s] = std::max<int64_t>(tail_cap[s] - w_recent, 0) / step * step;
+    cap[s] = (total + E[s] + G - 1) / G * G;
+    if (spec[s].cols) cap[s] = (cap[s] + 127) / 128 * 128;
+    tails.emplace_back(new Buf<char>(B * H * tail_cap[s] * (D + 3) * es));
+    std::memset(tails.back()->p, 0, tails.back()->n);
+    const int64_t rows = spec[s].cols ? D : cap[s], words = spec[s].cols ? cap[s] / 32 * spec[s].bits : D / 32 * spec[s].bits;
+    const int64_t groups = spec[s].cols ? cap[s] / G : D / G;
+    c_sr[s] = words + 4, s_sr[s] = groups + 2;
+    codes.emplace_back(new Buf<uint32_t>(B * H * rows * c_sr[s]));
+    scales.emplace_back(new Buf<uint16_t>(B * H * rows * s_sr[s]));
+    zeros.emplace_back(new Buf<uint16_t>(B * H * rows * s_sr[s]));
+    std::fill(codes.back()->p, codes.back()->p + codes.back()->n, 0xdeadbeefu);
+    xs.emplace_back(new Buf<char>(B * H * n * (D + 1) * es));
+    AppendSide& a = p.side[s];
+    a.x = xs.back()->p; a.x_st = D + 1; a.x_sh = n * (D + 1); a.x_sb = H * a.x_sh;
+    a.sink = s == 0 ? sink_k.p : sink_v.p; a.sk_st = D; a.sk_sh = W * D; a.sk_sb = H * W * D;
+    a.tail = tails.back()->p; a.t_st = D + 3; a.t_sh = tail_cap[s] * (D + 3); a.t_sb = H * a.t_sh; a.tail_cap = tail_cap[s];
+    a.codes = codes.back()->p; a.c_sr = c_sr[s]; a.c_sh = rows * c_sr[s]; a.c_sb = H * a.c_sh;
+    a.scales = scales.back()->p; a.s_sr = s_sr[s]; a.s_sh = rows * s_sr[s]; a.s_sb = H * a.s_sh;
+    a.zeros = spec[s].mode == QuantMode::kSym ? nullptr : zeros.back()->p; a.z_sr = a.s_sr; a.z_sh = a.s_sh; a.z_sb = a.s_sb;
+    a.cap = cap[s]; a.bits = spec[s].bits; a.mode = spec[s].mode;
+    a.layout = spec[s].cols ? StoreLayout::kCols : StoreLayout::kRows; a.calib = asym_calib(spec[s].eta);
+    a.x_scale = s == 0 && x_scale ? xsc.p : nullptr; a.xs_sh = D;
+  }
+  Buf<int64_t> lengths(5);
+  std::fill(lengths.p, lengths.p + 5, 0);
+  p.lengths = lengths.p; p.B = B; p.H = H; p.n = n; p.W = W; p.D = D; p.w_recent = w_recent; p.group_size = G;
+  p.elem_bytes = (int)es; p.dtype = dt;
+  // the model: per side and (b, h), the sink's and tail's token values and the store's expected words
+  std::vector<std::vector<float>> m_sink(2 * B * H), m_tail(2 * B * H);
+  std::vector<std::vector<uint32_t>> m_codes(2), m_scales(2), m_zeros(2);  // full expected buffers (used part checked)
+  for (int s = 0; s < 2; ++s) { m_codes[s].assign(codes[s]->n, 0); m_scales[s].assign(scales[s]->n, 0); m_zeros[s].assign(zeros[s]->n, 0); }
+  int64_t m_len[5] = {0, 0, 0, 0, 0};
+  int64_t bad = 0;
+  bool trapped_ok = true;
+  auto value_at = [&](const char* base, int64_t i) {
+    return dt == XDtype::kF32 ? reinterpret_cast<const float*>(base)[i]
+         : dt == XDtype::kF16 ? __half2float(reinterpret_cast<const __half*>(base)[i])
+                              : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i]);
+  };
+  for (int st = 0; st < steps; ++st) {
+    for (int s = 0; s < 2; ++s)
+      for (int64_t i = 0; i < B * H * n * (D + 1); ++i) { float e; store_x(xs[s]->p, dt, i, frand() * 2 + (i % 7 == 0 ? 3.f : 0.f), e); }
+    if (st == bad_at) lengths.p[2] = tail_cap[0];  // a key tail already full: the new tokens would overflow it
+    int64_t before[5]; std::memcpy(before, lengths.p, sizeof(before));
+    const long traps0 = kvk_emu::traps.load();
+    cudaError_t e = launch_static_append(p, nullptr);
+    res.cases++;
+    if (e != cudaSuccess) { printf("append launch error %s\n", last_launch_error()); res.fails++; return; }
+    if (st == bad_at) {
+      trapped_ok = kvk_emu::traps.load() > traps0 && std::memcmp(before, lengths.p, sizeof(before)) == 0;
+      break;
+    }
+    // model step
+    const int64_t take = std::min(std::max<int64_t>(W - m_len[0], 0), n), rest = n - take;
+    for (int s = 0; s < 2; ++s) {
+      const AppendSideSpec& sp = spec[s];
+      const int64_t step = sp.cols ? G : 1;
+      const int64_t n_out = std::max<int64_t>(m_len[2 + 2 * s] + rest - w_recent, 0) / step * step;
+      const int64_t stored = m_len[1 + 2 * s];
+      for (int64_t bh = 0; bh < B * H; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        auto& sk = m_sink[s * B * H + bh];
+        auto& tl = m_tail[s * B * H + bh];
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            const float x = value_at(xs[s]->p, b * p.side[s].x_sb + h * p.side[s].x_sh + j * (D + 1) + d);
+            (j < take ? sk : tl).push_back(x);
+          }
+        // quantize the n_out oldest tail tokens
+        std::vector<float> grp(G);
+        std::vector<uint32_t> gc(G), scr(G);
+        const int64_t ngroups = sp.cols ? D * (n_out / G) : n_out * (D / G);
+        for (int64_t gi = 0; gi < ngroups; ++gi) {
+          int64_t row, word, gidx;
+          for (int i = 0; i < G; ++i) {
+            const int64_t tok = sp.cols ? (gi / D) * G + i : gi / (D / G), ch = sp.cols ? gi % D : (gi % (D / G)) * G + i;
+            float x = tl[tok * D + ch];
+            if (s == 0 && x_scale) x = x / xsc.p[h * D + ch];
+            grp[i] = x;
+          }
+          const GroupQuant q = sp.mode == QuantMode::kSym ? quantize_group_sym(grp.data(), G, sp.bits, gc.data())
+                             : sp.mode == QuantMode::kAsym ? quantize_group_asym(grp.data(), G, sp.bits, asym_calib(sp.eta), gc.data())
+                             : quantize_group_hybrid(grp.data(), G, sp.bits, gc.data(), scr.data());
+          if (sp.cols) { row = gi % D; gidx = stored / G + gi / D; word = (stored + (gi / D) * G) / 32 * sp.bits; }
+          else { row = stored + gi / (D / G); gidx = gi % (D / G); word = gidx * (G / 32) * sp.bits; }
+          const int64_t rows = sp.cols ? D : cap[s];
+          const int64_t srow = (bh * rows + row) * s_sr[s], crow = (bh * rows + row) * c_sr[s];
+          m_scales[s][srow + gidx] = q.scale_bits;
+          m_zeros[s][srow + gidx] = q.zero_bits;
+          for (int blk = 0; blk < G / 32; ++blk) { uint32_t w[4]; pack_block_rt(gc.data() + blk * 32, w, sp.bits);
+            for (int i = 0; i < sp.bits; ++i) m_codes[s][crow + word + blk * sp.bits + i] = w[i]; }
+        }
+        tl.erase(tl.begin(), tl.begin() + n_out * D);
+      }
+      m_len[1 + 2 * s] += n_out;
+      m_len[2 + 2 * s] += rest - n_out;
+    }
+    m_len[0] += take;
+    // compare
+    for (int i = 0; i < 5; ++i) bad += lengths.p[i] != m_len[i];
+    for (int s = 0; s < 2; ++s) {
+      const AppendSideSpec& sp = spec[s];
+      const int64_t rows = sp.cols ? D : cap[s];
+      for (int64_t bh = 0; bh < B * H; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        const auto& sk = m_sink[s * B * H + bh];
+        const auto& tl = m_tail[s * B * H + bh];
+        const char* sinkp = s == 0 ? sink_k.p : sink_v.p;
+        for (int64_t i = 0; i < (int64_t)sk.size(); ++i) bad += value_at(sinkp, b * H * W * D + h * W * D + i) != sk[i];
+        for (int64_t i = 0; i < (int64_t)tl.size(); ++i)
+          bad += value_at(tails[s]->p, b * p.side[s].t_sb + h * p.side[s].t_sh + (i / D) * (D + 3) + i % D) != tl[i];
+        const int64_t used = m_len[1 + 2 * s];
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!sp.cols && r >= used) break;
+          const int64_t nw = sp.cols ? used / 32 * sp.bits : D / 32 * sp.bits, ng = sp.cols ? used / G : D / G;
+          for (int64_t w = 0; w < nw; ++w) bad += codes[s]->p[(bh * rows + r) * c_sr[s] + w] != m_codes[s][(bh * rows + r) * c_sr[s] + w];
+          for (int64_t g = 0; g < ng; ++g) {
+            bad += scales[s]->p[(bh * rows + r) * s_sr[s] + g] != m_scales[s][(bh * rows + r) * s_sr[s] + g];
+            if (sp.mode != QuantMode::kSym) bad += zeros[s]->p[(bh * rows + r) * s_sr[s] + g] != m_zeros[s][(bh * rows + r) * s_sr[s] + g];
+          }
+        }
+      }
+    }
+  }
+  const bool fail = bad || !trapped_ok;
+  if (fail) res.fails++;
+  printf("append B%ld H%ld D%ld W%ld wr%ld n%d x%d G%d keys %s b%d m%d, values %s b%d m%d dt%d xs%d%s : %s (bad %ld) "
+         "lengths %ld %ld %ld %ld %ld\n", B, H, D, W, w_recent, (int)n, steps, G, ks.cols ? "cols" : "rows", ks.bits,
+         (int)ks.mode, vs.cols ? "cols" : "rows", vs.bits, (int)vs.mode, (int)dt, (int)x_scale,
+         bad_at >= 0 ? " overflow" : "", fail ? "FAIL" : "ok", bad, lengths.p[0], lengths.p[1], lengths.p[2],
+         lengths.p[3], lengths.p[4]);
+}
+
+static void append_cases() {
+  const AppendSideSpec rows3{false, 3, QuantMode::kSym, 0.f}, cols3{true, 3, QuantMode::kSym, 0.f};
+  const AppendSideSpec rows2a{false, 2, QuantMode::kAsym, 0.f}, cols2a{true, 2, QuantMode::kAsym, 0.f};
+  const AppendSideSpec rows4h{false, 4, QuantMode::kHybrid, 0.f}, cols1h{true, 1, QuantMode::kHybrid, 0.f};
+  const AppendSideSpec cols4e{true, 4, QuantMode::kAsym, 0.2f};
+  // InnerQ-like (keys rows, values cols), one token a step: sink filling, then both tails evicting, 3+ groups leaving
+  // a "cols" tail (a store count past 0 at a group's write)
+  append_case(2, 2, 64, 4, 8, 1, 80, 32, rows3, cols3, XDtype::kF16, true);
+  append_case(1, 2, 128, 4, 16, 1, 88, 32, rows4h, cols2a, XDtype::kBF16, true);
+  // KIVI-like (keys cols, values rows), fp32 windows, no sink
+  append_case(1, 2, 64, 0, 8, 1, 80, 32, cols2a, rows2a, XDtype::kF32, false);
+  // several tokens a step (one step splits between sink and tail), G = 64, hybrid 1-bit, eta
+  append_case(1, 2, 128, 5, 10, 3, 50, 64, rows4h, cols1h, XDtype::kF16, true);
+  append_case(2, 1, 64, 2, 0, 5, 20, 32, cols4e, rows3, XDtype::kF16, false);  // w_recent 0: tokens leave at once
+  // an empty batch: no CTA runs, the counts still advance (as the reference's do)
+  append_case(0, 2, 64, 2, 4, 1, 40, 32, rows3, cols3, XDtype::kF16, false);
+  // a key tail that would overflow: trap, counts untouched
+  append_case(1, 2, 64, 2, 8, 1, 12, 32, rows3, cols3, XDtype::kF16, false, 10);
+}
+
 // ---- lattice GEMVs ------------------------------------------------------------------------------------------------
 // Orthonormal Walsh-Hadamard transform of G values in double (the definition; the kernels run it in fp32).
 static void fwht_double(double* y, int G) {
@@ -1214,6 +1393,7 @@ int main(int argc, char** argv) {
     }
   }
   if (which == "decode" || which == "all") decode_cases();
+  if (which == "append" || which == "all") append_cases();
   if (which == "attn" || which == "all") attn_cases();
   if (which == "lattice" || which == "all") {
     using LG = LatticeGrid;

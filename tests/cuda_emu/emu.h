@@ -40,6 +40,8 @@ struct Block {
 inline thread_local uint3 t_thread, t_block;
 inline thread_local dim3 t_bdim, t_gdim;
 inline thread_local Block* t_blk;
+inline std::atomic<long> traps{0};  // __trap() of a kernel (a device-side abort on a GPU)
+inline void trap() { traps++; }
 inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0}, ldsm_misaligned{0};
 inline size_t cur_smem = 0;
 inline cudaError_t last_err = cudaSuccess;
