@@ -19,10 +19,12 @@ Whole decode steps (append one token + attention, the cache advancing every step
 (wall clock over STEP_COUNT consecutive steps, synchronized at the end, so host work counts):
   dynamic step   QuantizedLayerCache.append + decode_attention as generate() runs them (host decisions, new shapes)
   static step    kvkernels.StaticLayerCache: the step captured once in a CUDA graph and replayed (CPU: run eagerly)
-  compiled static step   (CUDA; the first step row of each preset) the static step through
-                 torch.compile(fullgraph=True), captured the same way: the eager static append is 34-42 small device
-                 ops (68-80 in the first GPU run; tests/test_static_cache.py counts them), and Inductor fuses its
-                 index arithmetic, where()s and copies into ~15 kernels (counted on CPU)
+                 (its append: the compiled static_append op, two launches, where the CUDA extension is built)
+  static step, reference append   (CUDA, where that op serves) the same graph with the reference's append: 34-42
+                 small device ops (68-80 in the first GPU run; tests/test_static_cache.py counts them), the before
+  compiled static step   (CUDA; the first step row of each preset) the static step with the reference append through
+                 torch.compile(fullgraph=True), captured the same way: Inductor fuses the append's index arithmetic,
+                 where()s and copies into ~15 kernels (counted on CPU)
 "static / dynamic" < 1 means the graph-captured step is faster. The static step's attention is the fused op's
 device-lengths form (grid planned for the capacity, only the used tokens read); on CPU it is the PyTorch reference,
 which dequantizes the whole capacity.
@@ -93,18 +95,18 @@ def _time_steps(step, device) -> float:
     return (time.perf_counter() - t0) / STEP_COUNT * 1e6
 
 
-def step_rows(
-    preset: str, batch: int, n: int, q, device, compile_step: bool
-) -> tuple[float, float, float | None, float]:
-    """(dynamic us, static us, compiled static us or None, max |static - dynamic|) per decode step at n cached tokens
-    (module docstring). The compiled row runs only with compile_step on CUDA (each call compiles anew)."""
+def step_rows(preset: str, batch: int, n: int, q, device, compile_step: bool) -> tuple[dict[str, float], float]:
+    """({path: us per decode step}, max |static - dynamic|) at n cached tokens (module docstring): "dynamic step",
+    "static step", and on CUDA "static step, reference append" (where the compiled static_append op serves the static
+    step: the same graph with the reference's fixed-shape append, the before) and, with compile_step, "compiled static
+    step" (torch.compile over the step with the reference append: Inductor's fusion of it, the other alternative)."""
     g = torch.Generator(device="cpu").manual_seed(n)
     k_new = torch.randn(batch, H_KV, 1, D, generator=g).to(device, torch.float16)
     v_new = torch.randn(batch, H_KV, 1, D, generator=g).to(device, torch.float16)
     warm = 3
     dyn = build_cache(preset, batch, n, device, seed=1)
-    # room for two warm-up + timing runs on the one static cache: the eager graph's and the compiled step's
-    static = StaticLayerCache(build_cache(preset, batch, n, device, seed=1), max_tokens=n + 2 * (STEP_COUNT + warm))
+    # room for three warm-up + timing runs on the one static cache
+    static = StaticLayerCache(build_cache(preset, batch, n, device, seed=1), max_tokens=n + 3 * (STEP_COUNT + warm))
     want = got = None
 
     def dyn_step():
@@ -121,24 +123,35 @@ def step_rows(
         dyn_step()
         static_step()
     err = (got.float() - want.float()).abs().max().item()
-    replay = static_step
-    compiled_us = None
-    if device.type == "cuda":
+    out = {"dynamic step": _time_steps(dyn_step, device)}
+    if device.type != "cuda":
+        out["static step"] = _time_steps(static_step, device)
+        return out, err
+
+    def captured(fn):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records the step without running it
-            static_step()
-        replay = graph.replay
-    if device.type == "cuda" and compile_step:
-        # the same step through torch.compile (Inductor fuses the append's index arithmetic, where() and copies; the
-        # two custom ops stay opaque), then captured the same way: what the append costs with fewer launches
-        compiled = torch.compile(static_step, fullgraph=True)
-        for _ in range(warm):
-            compiled()
-        cgraph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cgraph):
-            compiled()
-        compiled_us = _time_steps(cgraph.replay, device)
-    return _time_steps(dyn_step, device), _time_steps(replay, device), compiled_us, err
+            fn()
+        return graph.replay
+
+    out["static step"] = _time_steps(captured(static_step), device)
+    fused_append = static.compiled_append
+    static.compiled_append = False  # the reference append, for the rows below
+    try:
+        if fused_append:
+            for _ in range(warm):
+                static_step()
+            out["static step, reference append"] = _time_steps(captured(static_step), device)
+        if compile_step:
+            # the step through torch.compile (Inductor fuses the reference append's index arithmetic, where() and
+            # copies; the custom ops stay opaque), then captured the same way
+            compiled = torch.compile(static_step, fullgraph=True)
+            for _ in range(warm):
+                compiled()
+            out["compiled static step"] = _time_steps(captured(compiled), device)
+    finally:
+        static.compiled_append = fused_append
+    return out, err
 
 
 STORE_TILES_ENV = "KVKERNELS_ATTENTION_STORE_TILES"  # csrc/cuda/decode_attention.cu: "0" = general kernel only
@@ -208,19 +221,21 @@ def run(args) -> list[dict]:
                 if args.steps and (args.steps_tokens is None or n in args.steps_tokens):
                     compile_step = preset not in compiled  # one compile per preset: Inductor takes tens of seconds
                     compiled.add(preset)
-                    dyn_us, static_us, compiled_us, err = step_rows(preset, batch, n, q, device, compile_step)
-                    for path, us in (("dynamic step", dyn_us), ("static step", static_us)):
-                        rows.append({"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us})
-                    rows[-1]["static_vs_dynamic"] = static_us / dyn_us
-                    rows[-1]["max_abs_err_vs_dynamic"] = err
-                    compiled_txt = ""
-                    if compiled_us is not None:
-                        rows.append({"preset": preset, "path": "compiled static step", "batch": batch, "tokens": n,
-                                     "us": compiled_us, "compiled_vs_static": compiled_us / static_us})  # fmt: skip
-                        compiled_txt = f", compiled static {compiled_us:10.1f} us"
+                    steps, err = step_rows(preset, batch, n, q, device, compile_step)
+                    dyn_us, static_us = steps["dynamic step"], steps["static step"]
+                    for path, us in steps.items():
+                        row = {"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us}
+                        if path == "static step":
+                            row.update(static_vs_dynamic=us / dyn_us, max_abs_err_vs_dynamic=err)
+                        elif path != "dynamic step":
+                            row["vs_static"] = us / static_us
+                        rows.append(row)
+                    others = "".join(
+                        f", {p} {us:.1f} us" for p, us in steps.items() if p not in ("dynamic step", "static step")
+                    )
                     print(
                         f"N {n:>6} B {batch}: {preset:>14} step: dynamic {dyn_us:10.1f} us, static "
-                        f"{static_us:10.1f} us{compiled_txt} (static / dynamic {static_us / dyn_us:.2f}, max |diff| "
+                        f"{static_us:10.1f} us{others} (static / dynamic {static_us / dyn_us:.2f}, max |diff| "
                         f"{err:.2e})",
                         flush=True,
                     )

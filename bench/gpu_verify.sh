@@ -208,6 +208,7 @@ MEMCHECK_K+=' or (test_quantize_into_matches_cpu_bit_exact and G32 and fp16 and 
 MEMCHECK_K+=' or (test_dequantize_matches_cpu_bit_exact and narrowed and (b1 or b3))'
 MEMCHECK_K+=' or (test_inner_q_views_and_xscale and misaligned and T3 and b3) or (test_kivi_views and misaligned and b2)'
 MEMCHECK_K+=' or test_kivi_ring_and_register_loads[b1-ring]'  # the KIVI rings on cache-layout stores, 64 columns too
+MEMCHECK_K+=' or test_static_append_matches_the_reference[innerq_hybrid-prefill6-step3-float16]'
 # racecheck / synccheck: the kernels with shared-memory exchanges (split staging, cp.async pipelines, merges)
 RACE_K='test_decode_attention_fused_masks or (test_decode_attention_fused_layouts_bits and 64-key1-)'
 RACE_K+=' or (test_aqua_shapes and fp16 and rank128)'
@@ -215,6 +216,7 @@ RACE_K+=' or (test_decode_attention_fused_store_tiles and ((128-4-1 and key0) or
 RACE_K+=' or (test_decode_attention_fused_kivi_tiles and 64-6 and key0)'
 RACE_K+=' or (test_inner_q_shapes and b3 and D128-M37 and T3) or (test_kivi_shapes and b2 and T3 and gqa4)'
 RACE_K+=' or (test_lattice_shapes and T3 and eden2-16 and N1031) or test_kivi_ring_and_register_loads[b2-ring]'
+RACE_K+=' or test_static_append_matches_the_reference[innerq_base-prefill150-step3-bfloat16]'
 SAN=$(command -v compute-sanitizer || ls "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer 2>/dev/null | head -1 || true)
 
 # sanitize TOOL K CAP LOG: compute-sanitizer --tool TOOL over the tests -k K; notes errors, or that there is no summary
