@@ -458,20 +458,24 @@ inline AppendSizes check_static_append(
     check_shape(op, "key_x_scale", *key_x_scale, {z.H, z.D});
     check_last_dim_contiguous(op, "key_x_scale", *key_x_scale);
   }
+  // in the Python check's order, so that both name the same pair first
   std::vector<std::pair<const char*, const at::Tensor*>> written = {
       {"lengths", &lengths}, {"sink_keys", &sink_keys}, {"sink_values", &sink_values}, {"key_codes", &key_codes},
-      {"key_scales", &key_scales}, {"value_codes", &value_codes}, {"value_scales", &value_scales},
-      {"key_tail", &key_tail}, {"value_tail", &value_tail}};
+      {"key_scales", &key_scales}};
   if (key_zeros.has_value()) written.emplace_back("key_zeros", &*key_zeros);
+  written.emplace_back("value_codes", &value_codes);
+  written.emplace_back("value_scales", &value_scales);
   if (value_zeros.has_value()) written.emplace_back("value_zeros", &*value_zeros);
+  written.emplace_back("key_tail", &key_tail);
+  written.emplace_back("value_tail", &value_tail);
   std::vector<std::pair<const char*, const at::Tensor*>> read = {{"k", &k}, {"v", &v}};
   if (key_x_scale.has_value()) read.emplace_back("key_x_scale", &*key_x_scale);
-  for (size_t i = 0; i < written.size(); ++i) {
-    check_no_self_overlap(op, written[i].first, *written[i].second);
+  for (const auto& [name, t] : written) check_no_self_overlap(op, name, *t);
+  for (size_t i = 0; i < written.size(); ++i)
     for (size_t j = i + 1; j < written.size(); ++j)
       check_disjoint(op, written[i].first, *written[i].second, written[j].first, *written[j].second);
-    for (const auto& [name, t] : read) check_disjoint(op, written[i].first, *written[i].second, name, *t);
-  }
+  for (const auto& [wname, w] : written)
+    for (const auto& [rname, r] : read) check_disjoint(op, wname, *w, rname, *r);
   return z;
 }
 

@@ -634,9 +634,10 @@ def static_append(
     operands as capacity buffers, lengths int64 [5] on the device. The first tokens fill the sink while it has room,
     the rest join the tails, and each tail's oldest tokens past w_recent (whole groups of G for a "cols" store) are
     quantized into its store at its count (keys stored as K / key_x_scale), bit-identical to quantize_groups; the
-    counts grow. No count is read on the host (CUDA-graph capturable). The compiled CUDA op is two launches; elsewhere
-    the reference (fixed-shape PyTorch ops). Spec, and the capacity preconditions that only the device can check:
-    kvkernels/reference/static_append.py. kvkernels.static_cache.StaticLayerCache.append calls it."""
+    counts grow. No count is read on the host (CUDA-graph capturable). The compiled CUDA op is two launches (group
+    sizes up to ~3400 in hybrid mode, ~5100 otherwise: a quantizing thread's shared memory); elsewhere the reference
+    (fixed-shape PyTorch ops). Spec, and the capacity preconditions that only the device can check (the CUDA kernel
+    traps where they fail): kvkernels/reference/static_append.py. StaticLayerCache.append calls it."""
     require_c("static_append")
     args = (
         k, v, lengths, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales,

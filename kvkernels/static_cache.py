@@ -222,9 +222,11 @@ class StaticLayerCache:
         """Append step_tokens new tokens' K/V [B, H_kv, step_tokens, D]: ops.static_append over this cache's buffers and
         `lengths` (module docstring), so it can be captured in a CUDA graph."""
         self._check_kv(k, v)
+        k, v = (t.to(self.dtype) for t in (k, v))
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # the op reads rows of D channels
         ks, vs = self.keys.store, self.values.store
         args = (
-            k.to(self.dtype), v.to(self.dtype), self.lengths, self.cache._sink_k, self.cache._sink_v, ks.codes,
+            k, v, self.lengths, self.cache._sink_k, self.cache._sink_v, ks.codes,
             ks.scales, ks.zeros, vs.codes, vs.scales, vs.zeros, self.keys.tail, self.values.tail, ks.bits, ks.mode,
             ks.layout, ks.eta, vs.bits, vs.mode, vs.layout, vs.eta, ks.group_size, self.w_recent, self.key_norm,
         )  # fmt: skip

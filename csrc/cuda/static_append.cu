@@ -12,9 +12,9 @@
 // same inputs. Not the hot path (per step it moves a tail and quantizes at most one group per row); what it removes
 // is ~40 launches.
 //
-// Preconditions (every backend's; kvkernels/reference/static_append.py): 0 <= S <= W; stores and tails hold what a
-// cache leaves (a "cols" store's count is a multiple of G); tail + tokens entering it <= tail capacity; store count
-// + E <= store capacity, E = (tail capacity - w_recent) rounded down to the step (the most that can leave). A
+// Preconditions (every backend's; kvkernels/reference/static_append.py): 0 <= S <= W; a "cols" store's count is a
+// multiple of G; tail + n <= tail capacity (n: the new tokens); store count + E <= store capacity, E = (tail capacity
+// - w_recent) rounded down to the step (the most that can leave). A
 // violation is a programming error that the host cannot see without a sync: the kernel traps (as an index_copy_ out
 // of bounds asserts), and writes nothing out of bounds.
 #include <cuda_runtime.h>
@@ -41,13 +41,16 @@ __host__ __device__ inline AppendCounts append_counts(const StaticAppendParams& 
   const int64_t S = p.lengths[0], stored = p.lengths[1 + 2 * side], tail = p.lengths[2 + 2 * side];
   const int64_t step = a.layout == StoreLayout::kCols ? p.group_size : 1;
   AppendCounts c{};
-  const int64_t room = p.W - S > 0 ? p.W - S : 0, over = tail + p.n - room - p.w_recent;
+  const int64_t room = p.W - S > 0 ? p.W - S : 0;
   c.take = room < p.n ? room : p.n;
   c.rest = p.n - c.take;
-  c.n_out = (over > 0 ? over : 0) / step * step;  // over = tail + rest - w_recent
+  const int64_t over = tail + c.rest - p.w_recent;
+  c.n_out = (over > 0 ? over : 0) / step * step;
   c.E = (a.tail_cap > p.w_recent ? a.tail_cap - p.w_recent : 0) / step * step;
-  c.ok = S >= 0 && S <= p.W && stored >= 0 && tail >= 0 && tail + c.rest <= a.tail_cap && stored + c.E <= a.cap &&
-         stored % step == 0;
+  // written as differences so that no garbage count can overflow its way past them (n <= tail_cap and E <= cap are
+  // checked first)
+  c.ok = S >= 0 && S <= p.W && stored >= 0 && tail >= 0 && p.n <= a.tail_cap && tail <= a.tail_cap - p.n &&
+         c.E <= a.cap && stored <= a.cap - c.E && stored % step == 0;
   return c;
 }
 

@@ -14,9 +14,11 @@ QuantizedLayerCache.append does to the used parts:
     the counts grow accordingly.
 
 Preconditions (no backend can check them on the host without a sync): 0 <= S <= W; a "cols" store's count is a
-multiple of G; tail + rest <= tail_cap; store count + E <= cap, where E = (tail_cap - w_recent) rounded down to the
-step is the most that can leave in one step. This reference quantizes the tail's first E tokens every step into the
-store at its count (so it writes up to E tokens past it) and commits n_out of them; slots past a count are never read.
+multiple of G; tail + n <= tail_cap (the n new tokens are written at the tail's end, those the sink takes past the
+count); store count + E <= cap, where E = (tail_cap - w_recent) rounded down to the step is the most that can leave in
+one step. Tails and stores as a cache leaves them meet these with room for one step. This reference quantizes the
+tail's first E tokens every step into the store at its count (so it writes up to E tokens past it) and commits n_out
+of them; slots past a count are never read.
 Out of bounds, its index_copy_ raises (an index error on CPU, a device assert on CUDA); the CUDA kernel traps.
 
 `slots` (StaticLayerCache passes them, made once by append_slots) are the index ranges the ops need; without them
@@ -48,7 +50,8 @@ def append_slots(n: int, w_sink: int, sides, w_recent: int, group_size: int, dev
             side["groups"] = torch.arange(E // group_size, device=device)
         out["sides"].append(side)
         steps.append(step)
-    out["store_steps"] = torch.tensor(steps, device=device)
+    # made on the device (a host list copied in would be a sync, and not capturable, each call without slots)
+    out["store_steps"] = torch.arange(2, device=device) * (steps[1] - steps[0]) + steps[0]
     return out
 
 

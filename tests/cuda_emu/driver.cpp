@@ -259,11 +259,15 @@ void quant_case(int64_t d0, int64_t d1, int64_t d2, int64_t L, int bits, int G, 
 // the spec (kvkernels/reference/static_append.py): the sink takes tokens while it has room, the tails take the rest,
 // and each tail's oldest tokens past w_recent (whole groups for "cols") are quantized into its store by quant.cuh's
 // group functions (keys divided by x_scale first). After every step the counts, the used part of the sink, tails
-// and stores must be exactly the model's. bad_at >= 0: lengths are corrupted before step bad_at so that the tail
-// would overflow: the kernel must trap and leave the counts alone.
+// and stores must be exactly the model's. tail_extra: tails that many tokens longer than a cache's; tail0: tokens
+// (zeros) both tails hold at the start, beside an empty sink; tail_pad: tail rows padded by that many elements (0:
+// 16-byte rows, the shift's wide path). bad_at >= 0: lengths are corrupted before step bad_at (bad_kind 0: a full key
+// tail, 1: a full key store, 2: a "cols" value store count off its group grid): the kernel must trap and leave the
+// counts alone.
 struct AppendSideSpec { bool cols; int bits; QuantMode mode; float eta; };
 static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_recent, int64_t n, int steps, int G,
-                        AppendSideSpec ks, AppendSideSpec vs, XDtype dt, bool x_scale, int bad_at = -1) {
+                        AppendSideSpec ks, AppendSideSpec vs, XDtype dt, bool x_scale, int bad_at = -1,
+                        int bad_kind = 0, int64_t tail_extra = 0, int64_t tail0 = 0, int64_t tail_pad = 3) {
   const size_t es = xsize(dt);
   const AppendSideSpec spec[2] = {ks, vs};
   const int64_t total = n * steps;
@@ -278,11 +282,11 @@ static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_re
   StaticAppendParams p{};
   for (int s = 0; s < 2; ++s) {
     const int64_t step = spec[s].cols ? G : 1;
-    tail_cap[s] = w_recent + n + (spec[s].cols ? G - 1 : 0);
+    tail_cap[s] = w_recent + n + (spec[s].cols ? G - 1 : 0) + tail_extra;
     E[s] = std::max<int64_t>(tail_cap[s] - w_recent, 0) / step * step;
-    cap[s] = (total + E[s] + G - 1) / G * G;
+    cap[s] = (tail0 + total + E[s] + G - 1) / G * G;
     if (spec[s].cols) cap[s] = (cap[s] + 127) / 128 * 128;
-    tails.emplace_back(new Buf<char>(B * H * tail_cap[s] * (D + 3) * es));
+    tails.emplace_back(new Buf<char>(B * H * tail_cap[s] * (D + tail_pad) * es));
     std::memset(tails.back()->p, 0, tails.back()->n);
     const int64_t rows = spec[s].cols ? D : cap[s], words = spec[s].cols ? cap[s] / 32 * spec[s].bits : D / 32 * spec[s].bits;
     const int64_t groups = spec[s].cols ? cap[s] / G : D / G;
@@ -295,7 +299,7 @@ static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_re
     AppendSide& a = p.side[s];
     a.x = xs.back()->p; a.x_st = D + 1; a.x_sh = n * (D + 1); a.x_sb = H * a.x_sh;
     a.sink = s == 0 ? sink_k.p : sink_v.p; a.sk_st = D; a.sk_sh = W * D; a.sk_sb = H * W * D;
-    a.tail = tails.back()->p; a.t_st = D + 3; a.t_sh = tail_cap[s] * (D + 3); a.t_sb = H * a.t_sh; a.tail_cap = tail_cap[s];
+    a.tail = tails.back()->p; a.t_st = D + tail_pad; a.t_sh = tail_cap[s] * (D + tail_pad); a.t_sb = H * a.t_sh; a.tail_cap = tail_cap[s];
     a.codes = codes.back()->p; a.c_sr = c_sr[s]; a.c_sh = rows * c_sr[s]; a.c_sb = H * a.c_sh;
     a.scales = scales.back()->p; a.s_sr = s_sr[s]; a.s_sh = rows * s_sr[s]; a.s_sb = H * a.s_sh;
     a.zeros = spec[s].mode == QuantMode::kSym ? nullptr : zeros.back()->p; a.z_sr = a.s_sr; a.z_sh = a.s_sh; a.z_sb = a.s_sb;
@@ -305,13 +309,15 @@ static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_re
   }
   Buf<int64_t> lengths(5);
   std::fill(lengths.p, lengths.p + 5, 0);
+  lengths.p[2] = lengths.p[4] = tail0;
   p.lengths = lengths.p; p.B = B; p.H = H; p.n = n; p.W = W; p.D = D; p.w_recent = w_recent; p.group_size = G;
   p.elem_bytes = (int)es; p.dtype = dt;
   // the model: per side and (b, h), the sink's and tail's token values and the store's expected words
   std::vector<std::vector<float>> m_sink(2 * B * H), m_tail(2 * B * H);
   std::vector<std::vector<uint32_t>> m_codes(2), m_scales(2), m_zeros(2);  // full expected buffers (used part checked)
   for (int s = 0; s < 2; ++s) { m_codes[s].assign(codes[s]->n, 0); m_scales[s].assign(scales[s]->n, 0); m_zeros[s].assign(zeros[s]->n, 0); }
-  int64_t m_len[5] = {0, 0, 0, 0, 0};
+  int64_t m_len[5] = {0, 0, tail0, 0, tail0};
+  for (auto& tl : m_tail) tl.assign(tail0 * D, 0.f);
   int64_t bad = 0;
   bool trapped_ok = true;
   auto value_at = [&](const char* base, int64_t i) {
@@ -322,7 +328,9 @@ static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_re
   for (int st = 0; st < steps; ++st) {
     for (int s = 0; s < 2; ++s)
       for (int64_t i = 0; i < B * H * n * (D + 1); ++i) { float e; store_x(xs[s]->p, dt, i, frand() * 2 + (i % 7 == 0 ? 3.f : 0.f), e); }
-    if (st == bad_at) lengths.p[2] = tail_cap[0];  // a key tail already full: the new tokens would overflow it
+    if (st == bad_at && bad_kind == 0) lengths.p[2] = tail_cap[0];  // a full key tail: the new tokens overflow it
+    if (st == bad_at && bad_kind == 1) lengths.p[1] = cap[0] - E[0] + 1;  // a key store without E slots left
+    if (st == bad_at && bad_kind == 2) lengths.p[3] += 1;  // off the "cols" value store's group grid
     int64_t before[5]; std::memcpy(before, lengths.p, sizeof(before));
     const long traps0 = kvk_emu::traps.load();
     cudaError_t e = launch_static_append(p, nullptr);
@@ -390,7 +398,7 @@ static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_re
         const char* sinkp = s == 0 ? sink_k.p : sink_v.p;
         for (int64_t i = 0; i < (int64_t)sk.size(); ++i) bad += value_at(sinkp, b * H * W * D + h * W * D + i) != sk[i];
         for (int64_t i = 0; i < (int64_t)tl.size(); ++i)
-          bad += value_at(tails[s]->p, b * p.side[s].t_sb + h * p.side[s].t_sh + (i / D) * (D + 3) + i % D) != tl[i];
+          bad += value_at(tails[s]->p, b * p.side[s].t_sb + h * p.side[s].t_sh + (i / D) * (D + tail_pad) + i % D) != tl[i];
         const int64_t used = m_len[1 + 2 * s];
         for (int64_t r = 0; r < rows; ++r) {
           if (!sp.cols && r >= used) break;
@@ -406,10 +414,11 @@ static void append_case(int64_t B, int64_t H, int64_t D, int64_t W, int64_t w_re
   }
   const bool fail = bad || !trapped_ok;
   if (fail) res.fails++;
-  printf("append B%ld H%ld D%ld W%ld wr%ld n%d x%d G%d keys %s b%d m%d, values %s b%d m%d dt%d xs%d%s : %s (bad %ld) "
-         "lengths %ld %ld %ld %ld %ld\n", B, H, D, W, w_recent, (int)n, steps, G, ks.cols ? "cols" : "rows", ks.bits,
-         (int)ks.mode, vs.cols ? "cols" : "rows", vs.bits, (int)vs.mode, (int)dt, (int)x_scale,
-         bad_at >= 0 ? " overflow" : "", fail ? "FAIL" : "ok", bad, lengths.p[0], lengths.p[1], lengths.p[2],
+  printf("append B%ld H%ld D%ld W%ld wr%ld n%d x%d G%d keys %s b%d m%d, values %s b%d m%d dt%d xs%d +tail %ld "
+         "tail0 %ld pad %ld%s : %s (bad %ld) lengths %ld %ld %ld %ld %ld\n", B, H, D, W, w_recent, (int)n, steps, G,
+         ks.cols ? "cols" : "rows", ks.bits, (int)ks.mode, vs.cols ? "cols" : "rows", vs.bits, (int)vs.mode, (int)dt,
+         (int)x_scale, tail_extra, tail0, tail_pad, bad_at >= 0 ? (bad_kind == 0 ? " trap:tail" : bad_kind == 1 ?
+         " trap:store" : " trap:grid") : "", fail ? "FAIL" : "ok", bad, lengths.p[0], lengths.p[1], lengths.p[2],
          lengths.p[3], lengths.p[4]);
 }
 
@@ -422,15 +431,20 @@ static void append_cases() {
   // a "cols" tail (a store count past 0 at a group's write)
   append_case(2, 2, 64, 4, 8, 1, 80, 32, rows3, cols3, XDtype::kF16, true);
   append_case(1, 2, 128, 4, 16, 1, 88, 32, rows4h, cols2a, XDtype::kBF16, true);
-  // KIVI-like (keys cols, values rows), fp32 windows, no sink
-  append_case(1, 2, 64, 0, 8, 1, 80, 32, cols2a, rows2a, XDtype::kF32, false);
+  // KIVI-like (keys cols, values rows), fp32 windows, no sink, keys divided by x_scale, 16-byte tail rows
+  append_case(1, 2, 64, 0, 8, 1, 80, 32, cols2a, rows2a, XDtype::kF32, true, -1, 0, 0, 0, 0);
   // several tokens a step (one step splits between sink and tail), G = 64, hybrid 1-bit, eta
   append_case(1, 2, 128, 5, 10, 3, 50, 64, rows4h, cols1h, XDtype::kF16, true);
   append_case(2, 1, 64, 2, 0, 5, 20, 32, cols4e, rows3, XDtype::kF16, false);  // w_recent 0: tokens leave at once
   // an empty batch: no CTA runs, the counts still advance (as the reference's do)
   append_case(0, 2, 64, 2, 4, 1, 40, 32, rows3, cols3, XDtype::kF16, false);
-  // a key tail that would overflow: trap, counts untouched
-  append_case(1, 2, 64, 2, 8, 1, 12, 32, rows3, cols3, XDtype::kF16, false, 10);
+  // a sink with room beside full, longer tails (a direct call's state, not a cache's): the tails evict while the sink
+  // still takes tokens (n_out = tail + rest - w_recent, rest = 0), fp16 16-byte tail rows
+  append_case(1, 2, 64, 4, 2, 1, 12, 32, rows3, cols2a, XDtype::kF16, true, -1, 0, 40, 38, 0);
+  // broken preconditions: trap, counts untouched
+  append_case(1, 2, 64, 2, 8, 1, 12, 32, rows3, cols3, XDtype::kF16, false, 10, 0);
+  append_case(1, 2, 64, 2, 8, 1, 12, 32, rows3, cols3, XDtype::kF16, false, 10, 1);
+  append_case(1, 2, 64, 2, 8, 1, 12, 32, rows3, cols3, XDtype::kF16, false, 10, 2);
 }
 
 // ---- lattice GEMVs ------------------------------------------------------------------------------------------------
