@@ -1,8 +1,10 @@
 """Compiled CUDA kernels (csrc/cuda/) vs kvkernels.reference and the C++ CPU ops.
 
 Skipped (with the reason) without a GPU or without a CUDA build of kvkernels._C. The reference is computed in
-fp32 on the CPU. GEMV tolerance: |y - ref| <= rtol * mag + atol, where mag = sum_l |x * x_scale| * |deq(w)| is
-the magnitude the sum is made of (a relative-to-|ref| bound is meaningless where terms cancel). The kernels read
+fp32 on the CPU. GEMV tolerance: |y - ref| <= rtol * mag + atol, where mag is the magnitude of the terms the kernel
+adds (a relative-to-|ref| bound is meaningless where terms cancel): for KIVI sum_l |x * x_scale| * |deq(w)|, for
+InnerQ sum_l |x * x_scale| (|s u'| + |zeff|), since it adds s * dot(x, u') and zeff * sum(x) (tests/gemv_bounds.py;
+|deq| alone failed 1-bit hybrid keys on the first GPU run, where s u' + zeff = 0 left a bound of atol). The kernels read
 x exactly and split it into fp16 hi + lo after a power-of-two prescale (~2^-22), decode codes exactly and accumulate
 in fp32: InnerQ differs by ~1e-6 of mag (checked with 100x headroom); KIVI also rounds s * u + z to fp16 once, up to
 2^-11 of mag (checked at 2^-10). docs/FORMATS.md, "GEMV arithmetic", states the contract.
@@ -11,6 +13,7 @@ Storage ops (quantize, dequantize, pack, unpack) must be bit-identical to the C+
 
 import pytest
 import torch
+from gemv_bounds import inner_q_term_magnitude, lattice_gemv_bound
 
 import kvkernels
 from kvkernels import reference
@@ -88,11 +91,8 @@ def _inner_q_case(B, H_q, H_kv, T, M, L, bits, G, mode, dtype, x_scale, narrow, 
     xs = torch.rand((H_kv, L), generator=_gen(seed + 2)) + 0.5 if x_scale else None
     zeros_arg = None if mode == "sym" and seed % 2 else zeros  # sym accepts zeros=None
     ref = reference.gemv_inner_q(x, codes, scales, zeros_arg, bits, G, mode, xs)
-    w = reference.dequantize_groups(codes, scales, zeros_arg, bits, G, mode)
-    xa = x.float().abs() if T is not None else x.float().abs().unsqueeze(2)  # [B, H_q, T, L]
-    if xs is not None:
-        xa = xa * xs.repeat_interleave(H_q // H_kv, 0)[None, :, None, :]
-    mag = xa @ w.abs().repeat_interleave(H_q // H_kv, 1).transpose(-1, -2)
+    x4 = x if T is not None else x.unsqueeze(2)  # [B, H_q, T, L]
+    mag = inner_q_term_magnitude(x4, codes, scales, zeros_arg, bits, G, mode, H_q, xs)
     mag = mag if T is not None else mag.squeeze(2)
     xc, cc, sc, zc, xsc = _to_cuda(x, codes, scales, zeros_arg, xs, narrow=narrow)
     if misalign:  # codes rows start one word in: forces the 32-bit load path
@@ -216,8 +216,7 @@ def test_inner_q_cuda_graph():
         ref = reference.gemv_inner_q(x_new, codes, scales, zeros, 2, 32, "hybrid")
         eager = torch.ops.kvkernels.gemv_inner_q(x_new.to(DEV), cc, sc, zc, 2, 32, "hybrid")
         assert torch.equal(y_static, eager)
-        w = reference.dequantize_groups(codes, scales, zeros, 2, 32, "hybrid")
-        mag = x_new.float().abs().unsqueeze(2) @ w.abs().repeat_interleave(H_q // H_kv, 1).transpose(-1, -2)
+        mag = inner_q_term_magnitude(x_new.unsqueeze(2), codes, scales, zeros, 2, 32, "hybrid", H_q)
         _assert_gemv_close(y_static, ref, mag.squeeze(2), torch.float16)
 
 
@@ -356,9 +355,8 @@ def test_kivi_deterministic():
 # ---- gemv_lattice_k / gemv_lattice_v ----------------------------------------------------------------------------
 # The contract (csrc/cuda/gemv_lattice.cu): the tensor cores see the grid in fp16 (relative 2^-11 per value); keys apply
 # the fp16 norm in fp32 after the MMA; values with G < D round r16 * grid once more to fp16 (G = D folds the norm into
-# p in fp32). Both are checked at twice that: 2^-10 (keys) / 2^-9 (values) of the magnitude the sum is made of, in the
-# rotated domain where the kernels sum (keys: sum_i |q'_i| |y_i|; values, output channel j of group g:
-# 2^-log2(G)/2 sum_{i in g} sum_n |p_n| |y_{n,i}|), plus an absolute 2^-20 sum |p| for values' subnormal fp16 products.
+# p in fp32). Both are checked at twice that (tests/gemv_bounds.py, lattice_gemv_bound): 2^-10 (keys) / 2^-9 (values)
+# of the magnitude the sum is made of, in the rotated domain where the kernels sum.
 LATTICE_GRIDS = {"eden2-16": (2, 16), "eden2-64": (2, 64), "eden2-256": (2, 256), "eden4-256": (4, 256)}
 
 
@@ -372,15 +370,6 @@ def _lattice_store(B, H_kv, N, D, G, d_n, signs, seed):
     return codes, norms, grid
 
 
-def _lattice_rotated(codes, norms, grid, G):
-    """y = r16 * grid[c] per group: the rotated dequantized rows [B, H_kv, N, D] the kernels sum over (fp32)."""
-    d, index_bits, _ = reference.lattice.grid_layout(grid)
-    idx = reference.unpack_lattice_indices(codes, index_bits)
-    points = grid[idx].reshape(*codes.shape[:-1], idx.shape[-1] * d)
-    D = points.shape[-1]
-    return (points.reshape(*points.shape[:-1], D // G, G) * norms.float().unsqueeze(-1)).reshape(points.shape)
-
-
 def _lattice_case(values, B, H_q, H_kv, T, N, D, G, d_n, dtype, with_signs, narrow=False, seed=0):
     signs = (torch.randint(0, 2, (G,), generator=_gen(seed + 7), dtype=torch.int8) * 2 - 1) if with_signs else None
     codes, norms, grid = _lattice_store(B, H_kv, N, D, G, d_n, signs, seed)
@@ -389,16 +378,9 @@ def _lattice_case(values, B, H_q, H_kv, T, N, D, G, d_n, dtype, with_signs, narr
     if values:
         x = x.float().softmax(-1).to(dtype) if seed % 2 else x  # probabilities, or signed weights
     x4 = (x if T is not None else x.unsqueeze(2)).float()  # [B, H_q, T, L]
-    y = _lattice_rotated(codes, norms, grid, G).abs().repeat_interleave(H_q // H_kv, 1)  # [B, H_q, N, D]
-    if values:
-        ref = reference.gemv_lattice_v(x, codes, norms, grid, G, signs)
-        mag = (x4.abs() @ y).reshape(B, H_q, -1, D // G, G).sum(-1, keepdim=True) / G**0.5  # per group
-        mag = mag.expand(-1, -1, -1, -1, G).reshape(B, H_q, -1, D)
-        bound = 2.0**-9 * mag + 2.0**-20 * x4.abs().sum(-1, keepdim=True) + 1e-5
-    else:
-        ref = reference.gemv_lattice_k(x, codes, norms, grid, G, signs)
-        q_rot = reference.fwht(x4, G, signs).abs()
-        bound = 2.0**-10 * (q_rot @ y.transpose(-1, -2)) + 1e-5
+    fn = reference.gemv_lattice_v if values else reference.gemv_lattice_k
+    ref = fn(x, codes, norms, grid, G, signs)
+    bound = lattice_gemv_bound(values, x4, codes, norms, grid, G, signs, H_q)
     bound = bound if T is not None else bound.squeeze(2)
     xc, cc, rc, gc, sc = _to_cuda(x, codes, norms, grid, signs)
     if narrow:  # codes and norms as narrowed views of wider rows (row strides != their length)

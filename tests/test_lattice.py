@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from gemv_bounds import lattice_gemv_bound
 
 import kvkernels
 from kvkernels import _validate, ops, reference
@@ -724,20 +725,15 @@ def test_cuda_matches_the_reference(d, n):
     assert_nearest(unpack_by_the_letter(c_cuda.cpu(), index_bits(d, n)), explicit_u(x, G, s)[0], g)
     deq = ops.lattice_dequantize(codes.cuda(), norms.cuda(), g.cuda(), G, s.cuda())
     torch.testing.assert_close(deq.cpu(), reference.lattice_dequantize(codes, norms, g, G, s), rtol=0, atol=1e-5)
+    # the GEMVs to the compiled kernels' contract (fp16 grid on tensor cores, ~2^-11 of the rotated magnitude): the
+    # first GPU run failed all four grids on rtol 1e-5 / atol 1e-4, which only the reference and Triton can meet
     q, p = torch.randn(2, 6, 128), torch.rand(2, 6, 40)
     args = (codes.cuda(), norms.cuda(), g.cuda(), G, s.cuda())
-    torch.testing.assert_close(
-        ops.gemv_lattice_k(q.cuda(), *args).cpu(),
-        reference.gemv_lattice_k(q, codes, norms, g, G, s),
-        rtol=1e-5,
-        atol=1e-4,
-    )
-    torch.testing.assert_close(
-        ops.gemv_lattice_v(p.cuda(), *args).cpu(),
-        reference.gemv_lattice_v(p, codes, norms, g, G, s),
-        rtol=1e-5,
-        atol=1e-4,
-    )
+    for values, x, op, ref_op in ((False, q, ops.gemv_lattice_k, reference.gemv_lattice_k),
+                                  (True, p, ops.gemv_lattice_v, reference.gemv_lattice_v)):  # fmt: skip
+        err = (op(x.cuda(), *args).cpu() - ref_op(x, codes, norms, g, G, s)).abs()
+        bound = lattice_gemv_bound(values, x.unsqueeze(2), codes, norms, g, G, s, 6).squeeze(2)
+        assert (err <= bound).all(), f"values={values}: max excess {(err - bound).max().item():.3g}"
 
 
 # ---- validation ------------------------------------------------------------------------------------------------------
