@@ -1553,8 +1553,10 @@ def test_dequantize_negative_scales_matches_reference(mode):
     torch.testing.assert_close(torch.ops.kvkernels.dequantize_groups(*args), want, rtol=1e-6, atol=1e-6)
     if os.environ.get("TRITON_INTERPRET") == "1":
         import kvkernels.triton_kernels as tk
+        from kvkernels.triton_kernels._common import interpreter_problem
 
-        torch.testing.assert_close(tk.dequantize_groups(*args), want, rtol=1e-6, atol=1e-6)
+        if not interpreter_problem():  # triton 3.6 under numpy >= 2.4 (the GPU machines' stack on CPU) cannot run it
+            torch.testing.assert_close(tk.dequantize_groups(*args), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(
@@ -1565,6 +1567,10 @@ def test_dequantize_negative_scales_matches_reference(mode):
 def test_triton_dequantize_strided_codes(mode):
     # the Triton wrapper read codes with a non-unit last stride as if it were 1: silently wrong values
     import kvkernels.triton_kernels as tk
+    from kvkernels.triton_kernels._common import interpreter_problem
+
+    if not torch.cuda.is_available() and interpreter_problem():  # triton 3.6 under numpy >= 2.4 (CI fails instead)
+        pytest.skip(interpreter_problem())
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     codes, scales, zeros, bits, G, _ = _negative_scale_case(mode)

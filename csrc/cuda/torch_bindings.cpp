@@ -558,8 +558,9 @@ at::Tensor lattice_params(const char* op, bool keys, const at::Tensor& x, const 
   check_cuda(op, "norms", norms, x.device());
   check_cuda(op, "grid", grid_in, x.device());
   if (signs.has_value()) check_cuda(op, "signs", *signs, x.device());
-  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 256, "kvkernels.", op, ": the CUDA kernel takes head_dim D in ",
-                    "(64, 128, 256), got D=", D);
+  // D = 0 launches nothing (keys: an empty sum, zeros; values: an empty output), as the reference returns
+  TORCH_CHECK_VALUE(D == 0 || D == 64 || D == 128 || D == 256, "kvkernels.", op, ": the CUDA kernel takes head_dim D ",
+                    "in (64, 128, 256), got D=", D);
   const at::Tensor grid = grid_in.contiguous();
   const bool has_t = x.dim() == 4;
   p = kvk::GemvLatticeParams{};
@@ -589,6 +590,7 @@ at::Tensor gemv_lattice_k(const at::Tensor& q, const at::Tensor& codes, const at
   y_shape.back() = p.N;
   at::Tensor y = at::empty(y_shape, q.options().dtype(at::kFloat));
   if (y.numel() == 0) return y;
+  if (p.D == 0) return y.zero_();
   const bool has_t = q.dim() == 4;
   p.y = y.data_ptr<float>();
   p.y_sb = y.stride(0), p.y_sh = y.stride(1), p.y_st = has_t ? y.stride(2) : 0;
