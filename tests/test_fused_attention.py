@@ -302,10 +302,11 @@ def test_bool_mask_under_another_default_dtype():
 def test_cuda_default_path_equals_composed(preset, D):
     # end to end on the GPU: the default (fused where the serving kernel takes D and auto fuses the layouts, as for
     # innerq_base; composed elsewhere, kivi2 included), bool and float masks through _additive_mask, against the
-    # composed path on the same cache
+    # composed path on the same cache. 600 tokens: stores of >= 256 tokens, so innerq_base's store tiles run (at 300
+    # only the general kernel did)
     g = torch.Generator().manual_seed(11)
     c = make_layer_cache(PRESETS[preset], 2, 2, D, capacity=64, device="cuda", dtype=torch.float16)
-    k, v = torch.randn(2, 2, 300, D, generator=g), torch.randn(2, 2, 300, D, generator=g)
+    k, v = torch.randn(2, 2, 600, D, generator=g), torch.randn(2, 2, 600, D, generator=g)
     c.prefill(k.half().cuda(), v.half().cuda())
     q = torch.randn(2, 6, 3, D, generator=g).half().cuda()
     mask = torch.rand(2, 1, 3, c.seq_len, generator=g).cuda() > 0.3

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from gemv_bounds import lattice_gemv_bound
+from kernel_bounds import assert_lattice_norms_match, lattice_gemv_bound
 
 import kvkernels
 from kvkernels import _validate, ops, reference
@@ -721,7 +721,7 @@ def test_cuda_matches_the_reference(d, n):
     x = torch.randn(2, 3, 40, 128, generator=_gen(28))
     codes, norms = reference.lattice_quantize(x, g, G, s)
     c_cuda, n_cuda = ops.lattice_quantize(x.cuda(), g.cuda(), G, s.cuda())
-    assert torch.equal(n_cuda.cpu(), norms)
+    assert_lattice_norms_match(n_cuda, norms, x, G)  # one fp16 step apart on a rounding boundary (FORMATS.md)
     assert_nearest(unpack_by_the_letter(c_cuda.cpu(), index_bits(d, n)), explicit_u(x, G, s)[0], g)
     deq = ops.lattice_dequantize(codes.cuda(), norms.cuda(), g.cuda(), G, s.cuda())
     torch.testing.assert_close(deq.cpu(), reference.lattice_dequantize(codes, norms, g, G, s), rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Error bounds of the compiled GEMVs, from their numerical contract (docs/FORMATS.md, "GEMV arithmetic").
+"""Error bounds of the compiled kernels, from their numerical contracts (docs/FORMATS.md, "GEMV arithmetic", "Lattice").
 
 A kernel's rounding error is relative to the magnitude of the terms it adds, not to the result, and not to the
 dequantized weights when the kernel never forms them:
@@ -9,6 +9,8 @@ dequantized weights when the kernel never forms them:
   a bound that used |deq| there: rows of all-zero weights gave a bound of atol alone.
 - Lattice (`gemv_lattice_k` / `_v`): the tensor cores see the grid in fp16 (2^-11 per value), in the rotated domain.
 """
+
+import math
 
 import torch
 
@@ -54,3 +56,16 @@ def lattice_gemv_bound(values, x4, codes, norms, grid, G, signs, H_q):
         return 2.0**-9 * mag + 2.0**-20 * x4.abs().sum(-1, keepdim=True) + 1e-5
     q_rot = reference.fwht(x4, G, signs).abs()
     return 2.0**-10 * (q_rot @ y.transpose(-1, -2)) + 1e-5
+
+
+def assert_lattice_norms_match(norms, norms_ref, x, G):
+    """norms equal the reference's bit for bit, or differ by one fp16 step where the RMS sits on an fp16 rounding
+    boundary to fp32 precision (the sum of squares runs in a backend-specific order)."""
+    a, b = norms.cpu().view(torch.int16).int(), norms_ref.cpu().view(torch.int16).int()
+    differ = a != b
+    if not differ.any():
+        return
+    assert ((a - b).abs()[differ] == 1).all(), "norms differ by more than one fp16 step"
+    rms = x.double().cpu().unflatten(-1, (-1, G)).norm(dim=-1) / math.sqrt(G)
+    mid = (norms.cpu().double() + norms_ref.cpu().double()) / 2
+    assert ((rms - mid).abs()[differ] <= 1e-6 * rms[differ]).all(), "norms differ away from a rounding boundary"

@@ -1,11 +1,11 @@
-"""The GPU tests' error bounds (tests/gemv_bounds.py) against models of the roundings they must admit, on CPU.
+"""The GPU tests' error bounds (tests/kernel_bounds.py) against models of the roundings they must admit, on CPU.
 
 The compiled kernels only run on a GPU; these check that the bounds the GPU tests hold them to are neither too tight
 for the kernels' documented arithmetic (docs/FORMATS.md, "GEMV arithmetic") nor vacuous.
 """
 
 import torch
-from gemv_bounds import inner_q_term_magnitude, lattice_gemv_bound
+from kernel_bounds import inner_q_term_magnitude, lattice_gemv_bound
 
 from kvkernels import reference
 from kvkernels.formats.lattice_grids import BITS, grid
