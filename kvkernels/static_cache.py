@@ -73,8 +73,7 @@ class _StaticTensor:
         self.tail = torch.zeros(B, H, tail_cap, D, dtype=tail.dtype, device=tail.device)
         self.tail[:, :, : tail.shape[2]] = tail
         # E, the most tokens that can leave the tail in one step: the append writes up to E past the store's count
-        self.evict_max = evict_bound(tail_cap, w_recent, store.step)
-        store.reserve(max_tokens + self.evict_max)
+        store.reserve(max_tokens + evict_bound(tail_cap, w_recent, store.step))
 
 
 def static_format_error(cache: QuantizedLayerCache) -> str | None:

@@ -17,15 +17,22 @@ import torch
 from kvkernels import reference
 
 
+def inner_q_terms(codes, scales, zeros, bits, G, mode):
+    """(s u', zeff) per weight, [B, H_kv, M, L] each: the two parts gemv_inner_q adds separately. In sym mode zeff
+    is 0 (the decoded level carries the offset) and s u' is the weight."""
+    deq = reference.dequantize_groups(codes, scales, zeros, bits, G, mode)
+    if mode == "sym":
+        return deq, torch.zeros_like(deq)
+    # zeff is the weight at code 0 (asym and hybrid decode u without an offset)
+    zeff = reference.dequantize_groups(torch.zeros_like(codes), scales, zeros, bits, G, mode)
+    return deq - zeff, zeff
+
+
 def inner_q_term_magnitude(x4, codes, scales, zeros, bits, G, mode, H_q, xs=None):
     """sum_l |x_l * xs_l| (|s u'_l| + |zeff_l|) per (b, query head, t, row m): [B, H_q, T, M] (x4 is [B, H_q, T, L],
     xs the [H_kv, L] x_scale or None). In sym mode zeff is 0 and |s u'| is |deq|."""
-    deq = reference.dequantize_groups(codes, scales, zeros, bits, G, mode)
-    if mode == "sym":
-        terms = deq.abs()
-    else:  # zeff is the weight at code 0 (asym and hybrid decode u without an offset)
-        zeff = reference.dequantize_groups(torch.zeros_like(codes), scales, zeros, bits, G, mode)
-        terms = (deq - zeff).abs() + zeff.abs()
+    su, zeff = inner_q_terms(codes, scales, zeros, bits, G, mode)
+    terms = su.abs() + zeff.abs()
     xa = x4.float().abs()
     if xs is not None:
         xa = xa * xs.repeat_interleave(H_q // xs.shape[0], 0)[None, :, None, :]

@@ -5,7 +5,7 @@ for the kernels' documented arithmetic (docs/FORMATS.md, "GEMV arithmetic") nor 
 """
 
 import torch
-from kernel_bounds import inner_q_term_magnitude, lattice_gemv_bound
+from kernel_bounds import inner_q_term_magnitude, inner_q_terms, lattice_gemv_bound
 
 from kvkernels import reference
 from kvkernels.formats.lattice_grids import BITS, grid
@@ -18,12 +18,8 @@ def _gen(seed):
 def _inner_q_kernel_model(x4, codes, scales, zeros, bits, G, mode, H_q):
     """gemv_inner_q's sums in float32 as the CUDA kernel orders them: x prescaled per query row by a power of two,
     per 32-value block s * dot(x, u') plus zeff * sum(x), unscaled at the end. [B, H_q, T, M]."""
-    deq = reference.dequantize_groups(codes, scales, zeros, bits, G, mode)
-    zeff = torch.zeros_like(deq)
-    if mode != "sym":
-        zeff = reference.dequantize_groups(torch.zeros_like(codes), scales, zeros, bits, G, mode)
     r = H_q // codes.shape[1]
-    su, z = (deq - zeff).repeat_interleave(r, 1), zeff.repeat_interleave(r, 1)
+    su, z = (t.repeat_interleave(r, 1) for t in inner_q_terms(codes, scales, zeros, bits, G, mode))
     e = 14 - torch.floor(torch.log2(x4.abs().amax(-1, keepdim=True)))
     v = x4.float() * torch.exp2(e)
     acc = torch.zeros(*v.shape[:-1], codes.shape[2])

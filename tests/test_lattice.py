@@ -729,10 +729,10 @@ def test_cuda_matches_the_reference(d, n):
     # first GPU run failed all four grids on rtol 1e-5 / atol 1e-4, which only the reference and Triton can meet
     q, p = torch.randn(2, 6, 128), torch.rand(2, 6, 40)
     args = (codes.cuda(), norms.cuda(), g.cuda(), G, s.cuda())
-    for values, x, op, ref_op in ((False, q, ops.gemv_lattice_k, reference.gemv_lattice_k),
+    for values, a, op, ref_op in ((False, q, ops.gemv_lattice_k, reference.gemv_lattice_k),
                                   (True, p, ops.gemv_lattice_v, reference.gemv_lattice_v)):  # fmt: skip
-        err = (op(x.cuda(), *args).cpu() - ref_op(x, codes, norms, g, G, s)).abs()
-        bound = lattice_gemv_bound(values, x.unsqueeze(2), codes, norms, g, G, s, 6).squeeze(2)
+        err = (op(a.cuda(), *args).cpu() - ref_op(a, codes, norms, g, G, s)).abs()
+        bound = lattice_gemv_bound(values, a.unsqueeze(2), codes, norms, g, G, s, 6).squeeze(2)
         assert (err <= bound).all(), f"values={values}: max excess {(err - bound).max().item():.3g}"
 
 

@@ -773,6 +773,27 @@ kvk::AttnStore attention_store(const at::Tensor& codes, const at::Tensor& scales
   return st;
 }
 
+// The cache operands decode_attention_fused and static_append share (sink, the two stores, the two tails, the keys'
+// x_scale) are on `device`, in the order both ops check them.
+void check_cache_operands_on(const char* op, const at::Device& device, const at::Tensor& sink_keys,
+                             const at::Tensor& sink_values, const at::Tensor& key_codes, const at::Tensor& key_scales,
+                             const std::optional<at::Tensor>& key_zeros, const at::Tensor& value_codes,
+                             const at::Tensor& value_scales, const std::optional<at::Tensor>& value_zeros,
+                             const at::Tensor& key_tail, const at::Tensor& value_tail,
+                             const std::optional<at::Tensor>& key_x_scale) {
+  check_cuda(op, "sink_keys", sink_keys, device);
+  check_cuda(op, "sink_values", sink_values, device);
+  check_cuda(op, "key_codes", key_codes, device);
+  check_cuda(op, "key_scales", key_scales, device);
+  if (key_zeros.has_value()) check_cuda(op, "key_zeros", *key_zeros, device);
+  check_cuda(op, "value_codes", value_codes, device);
+  check_cuda(op, "value_scales", value_scales, device);
+  if (value_zeros.has_value()) check_cuda(op, "value_zeros", *value_zeros, device);
+  check_cuda(op, "key_tail", key_tail, device);
+  check_cuda(op, "value_tail", value_tail, device);
+  if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
+}
+
 // Mirrors kvkernels/_validate.py check_decode_attention_fused (kvk_checks::check_decode_attention_fused), then the
 // CUDA kernel's own limit: head_dim 64 or 128.
 at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_keys, const at::Tensor& sink_values,
@@ -792,17 +813,8 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
       attn_mask, split_tokens, lengths);
   const at::Device device = x.device();
   check_cuda(op, "x", x, device);
-  check_cuda(op, "sink_keys", sink_keys, device);
-  check_cuda(op, "sink_values", sink_values, device);
-  check_cuda(op, "key_codes", key_codes, device);
-  check_cuda(op, "key_scales", key_scales, device);
-  if (key_zeros.has_value()) check_cuda(op, "key_zeros", *key_zeros, device);
-  check_cuda(op, "value_codes", value_codes, device);
-  check_cuda(op, "value_scales", value_scales, device);
-  if (value_zeros.has_value()) check_cuda(op, "value_zeros", *value_zeros, device);
-  check_cuda(op, "key_tail", key_tail, device);
-  check_cuda(op, "value_tail", value_tail, device);
-  if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
+  check_cache_operands_on(op, device, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes,
+                          value_scales, value_zeros, key_tail, value_tail, key_x_scale);
   if (attn_mask.has_value()) check_cuda(op, "attn_mask", *attn_mask, device);
   // device lengths: the counts stay on the device (read by each CTA); the launch is planned for the capacities
   if (lengths.has_value()) check_cuda(op, "lengths", *lengths, device);
@@ -894,17 +906,8 @@ void static_append(const at::Tensor& k, const at::Tensor& v, at::Tensor lengths,
   check_cuda(op, "k", k, device);
   check_cuda(op, "v", v, device);
   check_cuda(op, "lengths", lengths, device);
-  check_cuda(op, "sink_keys", sink_keys, device);
-  check_cuda(op, "sink_values", sink_values, device);
-  check_cuda(op, "key_codes", key_codes, device);
-  check_cuda(op, "key_scales", key_scales, device);
-  if (key_zeros.has_value()) check_cuda(op, "key_zeros", *key_zeros, device);
-  check_cuda(op, "value_codes", value_codes, device);
-  check_cuda(op, "value_scales", value_scales, device);
-  if (value_zeros.has_value()) check_cuda(op, "value_zeros", *value_zeros, device);
-  check_cuda(op, "key_tail", key_tail, device);
-  check_cuda(op, "value_tail", value_tail, device);
-  if (key_x_scale.has_value()) check_cuda(op, "key_x_scale", *key_x_scale, device);
+  check_cache_operands_on(op, device, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes,
+                          value_scales, value_zeros, key_tail, value_tail, key_x_scale);
 
   const c10::cuda::CUDAGuard device_guard(device);
   kvk::StaticAppendParams p{};
