@@ -11,6 +11,9 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
   fused       kvkernels.decode_attention(fused_op=True): ops.decode_attention_fused (CUDA kernel, else Triton)
   fused general   (compiled CUDA op only) the same with KVKERNELS_ATTENTION_STORE_TILES=0: every token through the
                   general kernel, none through the tensor-core tiles (InnerQ's store tiles, KIVI's tiles)
+  fused rest 1 split   (compiled CUDA op only) with KVKERNELS_ATTENTION_REST_SPLITS=1: next to the tiles, the general
+                  kernel walks the sink, the stores' edges and the tails in one split, as in the first GPU run (the
+                  before of splitting them by about a group, 2026-11-28)
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
 over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). "vs sdpa" is sdpa / row
 (> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.
@@ -155,6 +158,7 @@ def step_rows(preset: str, batch: int, n: int, q, device, compile_step: bool) ->
 
 
 STORE_TILES_ENV = "KVKERNELS_ATTENTION_STORE_TILES"  # csrc/cuda/decode_attention.cu: "0" = general kernel only
+REST_SPLITS_ENV = "KVKERNELS_ATTENTION_REST_SPLITS"  # "1" = the rest next to the tiles in one split
 
 
 @contextlib.contextmanager
@@ -202,18 +206,22 @@ def run(args) -> list[dict]:
                 want = decode_attention(q, caches[0]["c"], fused_op=False).float()
                 got = decode_attention(q, caches[0]["c"], fused_op=True).float()
                 err = (got - want).abs().max().item()
-                paths = [("composed", False, None), ("fused", True, None)]
+                # (path, fused, {environment variable: value} for the compiled op's switches)
+                paths = [("composed", False, {}), ("fused", True, {})]
                 if device.type == "cuda" and ops.CUDA_IMPL.get("decode_attention_fused") == "cuda":
-                    paths.append(("fused general", True, "0"))  # the compiled op without its store-tile kernel
-                for path, fused, store_tiles in paths:
-                    with _env(STORE_TILES_ENV, store_tiles):
+                    paths.append(("fused general", True, {STORE_TILES_ENV: "0"}))  # without the store-tile kernel
+                    paths.append(("fused rest 1 split", True, {REST_SPLITS_ENV: "1"}))
+                for path, fused, switches in paths:
+                    with contextlib.ExitStack() as stack:
+                        for name, value in switches.items():
+                            stack.enter_context(_env(name, value))
                         us = time_fn(functools.partial(cache_step, q, fused), caches, device)
                     row = {"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us, "vs_sdpa": base / us}
-                    if fused and store_tiles is None:
+                    if fused and not switches:
                         row["max_abs_err_vs_composed"] = err
                     rows.append(row)
                     print(
-                        f"N {n:>6} B {batch}: {preset:>14} {path:>13} {us:10.1f} us  x{base / us:5.2f} vs sdpa"
+                        f"N {n:>6} B {batch}: {preset:>14} {path:>18} {us:10.1f} us  x{base / us:5.2f} vs sdpa"
                         + (f"  (max |fused - composed| {err:.2e})" if "max_abs_err_vs_composed" in row else ""),
                         flush=True,
                     )

@@ -1010,10 +1010,15 @@ def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, monkeypatch):
     assert (y.cpu() - y_general.cpu()).abs().max().item() > 1e-6
 
 
+@pytest.mark.parametrize("rest_splits", [None, "1"])
 @pytest.mark.parametrize("split_tokens", [0, 64])
-def test_decode_attention_fused_store_tiles_device_lengths(split_tokens):
-    # capacity 576 key / 544 value store tokens, 320 / 288 used: the store-tile split moves with the counts
+def test_decode_attention_fused_store_tiles_device_lengths(split_tokens, rest_splits, monkeypatch):
+    # capacity 576 key / 544 value store tokens, 320 / 288 used: the store-tile split moves with the counts. The rest
+    # (sink, edges, tails) in splits planned for its bound, or (KVKERNELS_ATTENTION_REST_SPLITS=1) in one split
     from device_lengths import with_capacity
+
+    if rest_splits is not None:
+        monkeypatch.setenv("KVKERNELS_ATTENTION_REST_SPLITS", rest_splits)
 
     key, value = STORE_TILE_PAIRS[0]
     kw = _attn_operands(2, 2, 128, 2, 320, 288, 40, key, value, 32, torch.float16, True, seed=23)

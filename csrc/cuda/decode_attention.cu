@@ -6,8 +6,9 @@
 // Two kernels share the work when the store-tile kernel applies (decode_attention_store.cu: InnerQ layouts, the
 // presets' bits and modes, at least kMinStoreTileTokens store tokens): it runs the tokens [S, S + F) where both stores
 // hold the token on tensor cores and writes workspace slots [0, its splits); this file's general kernel then walks the
-// rest ([0, S) and [S + F, N): sink, the stores' edges, tails) as one more split, and merge_splits_kernel combines all
-// of them. Otherwise the general kernel does everything, as described next.
+// rest ([0, S) and [S + F, N): sink, the stores' edges, tails) in splits of about a group each (its tiles are
+// latency-bound one after another, see plan_attention), and merge_splits_kernel combines all of them. Otherwise the
+// general kernel does everything, as described next.
 //
 // Split-KV, FlashDecoding style. Grid (B * H_kv * row blocks, splits). A CTA serves up to ROWS = 4, 8 or 16 query
 // rows of one KV head (the R = (H_q / H_kv) * T rows of the head, query head major; ROWS is the smallest that holds
@@ -266,9 +267,10 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   // v >= S is token v + F (tiles past the sink stay aligned at S + 32i: F is a multiple of 64)
   const int64_t F = L.skip_store ? store_tile_tokens(cnt.mk, cnt.mv) : 0;
   // token range of the split (with device lengths the grid is planned for the capacities: a split past N is empty and
-  // writes the neutral partial m = -inf, l = 0, which the merge skips)
+  // writes the neutral partial m = -inf, l = 0, which the merge skips); the last split runs to the end, so that no
+  // token depends on the planner's bound on the rest (plan_attention, device lengths with store tiles)
   const int64_t lo = split == 0 ? 0 : S + split * L.C;
-  const int64_t hi = min(N - F, S + (split + 1) * L.C);
+  const int64_t hi = split == L.num_splits - 1 ? N - F : min(N - F, S + (split + 1) * L.C);
 
   // queries of the CTA's rows (zeros past nr)
   for (int i = tid; i < kRows * D; i += kThreads) {
@@ -468,6 +470,9 @@ constexpr int64_t kMinStoreTileTokens = 256;
 // KVKERNELS_ATTENTION_STORE_TILES=0 sends every token through the general kernel, so a benchmark can time both in one
 // process (bench/attention_step.py); read per call, a getenv beside a launch. Never changes the math beyond rounding.
 bool store_tiles_enabled() { return !env_equals("KVKERNELS_ATTENTION_STORE_TILES", "0"); }
+// KVKERNELS_ATTENTION_REST_SPLITS=1: next to the store tiles, the general kernel walks the rest in one split, as the
+// first GPU run measured it (plan_attention); for the A/B in bench/attention_step.py, read per call as above.
+bool rest_in_one_split() { return env_equals("KVKERNELS_ATTENTION_REST_SPLITS", "1"); }
 
 // Validates the params (sets the launch error) and plans the launch; a pure function of the params and the
 // device's occupancy, shared with the binding's workspace sizing.
@@ -536,20 +541,31 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   const int64_t F_cap = store_tile_tokens(p.keys.m, p.values.m);
   int64_t C = p.split_tokens;
   int64_t walked = tokens;  // tokens past the sink this kernel walks (device lengths: the most there can be)
+  int64_t min_split = kMinSplitTokens;
   if (F_cap >= kMinStoreTileTokens && store_tiles_enabled() && store_tiles_supported(p) &&
       plan_store_tiles(p, F_cap, pl.store)) {
-    // the store tiles go to the tensor-core kernel; this kernel walks the sink and the rest, in splits of its own over
-    // the rest when the counts are known (usually one: the edges and tails are short), else in one split (device
-    // lengths: F and so the rest move with the counts, and the capacity would plan mostly empty splits)
+    // The store tiles go to the tensor-core kernel; this kernel walks the sink and the rest: the stores' edges past F
+    // and the tails, ~100-250 tokens at the presets' windows. It walks them tile by tile, each tile's loads issued
+    // after the last tile's math, so one split over them is a chain of ~4-8 tiles' latencies: the first GPU run
+    // measured ~57 us for the fused step at 8k tokens, batch 1, with or without the store tiles (SDPA on fp16: 16 us).
+    // Splits of one group (planned to fill a wave, as the general case) run those tiles side by side.
+    // Device lengths: F, and so the rest, move with the counts; the splits are planned for the most the rest can
+    // hold. With F = min(mk, mv) rounded down to 64 and N = S + min(mk + lk, mv + lv), the rest N - S - F is at most
+    // 63 tokens of the shorter store plus its tail: under 64 + the larger tail capacity. (The kernel's last split runs
+    // to the end all the same.)
     pl.store_tiles = true;
     pl.launch.skip_store = true;
     pl.launch.split_base = pl.store.num_splits;
-    if (dev) C = round_up(std::max<int64_t>(tokens, 1), G);
-    else walked = tokens - F_cap;
+    walked = dev ? std::min(tokens, std::max(p.tail_k.n, p.tail_v.n) + kStoreStep - 1) : tokens - F_cap;
+    min_split = G;
+    if (rest_in_one_split()) {
+      if (dev) C = round_up(std::max<int64_t>(tokens, 1), G);
+      min_split = kMinSplitTokens;
+    }
   }
   if (C == 0)
     C = planned_split_tokens(reinterpret_cast<const void*>(pl.fn), kThreads, pl.smem_bytes, p.num_sms, ctas, walked, G,
-                             kMinSplitTokens);
+                             min_split);
   const int64_t splits = split_count(walked, C);
   pl.launch.C = C;
   pl.launch.num_splits = static_cast<int>(splits);

@@ -1188,7 +1188,9 @@ void attn_cases() {
     a.mv = 512; a.ntk = 96; a.S = 32; a.dt = XDtype::kBF16; a.xscale = true; attn_case(a); }            // asym1
   { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.S = 2; a.mk = 200; a.mv = 192; a.ntk = 9; a.H_q = 8;
     a.H_kv = 2; a.dev_lengths = true; a.extra[0] = 3; a.extra[1] = 64; a.extra[2] = 5; a.extra[3] = 64; a.extra[4] = 7;
-    a.split_tokens = 32; a.expect_splits = 5; a.mask_kind = 1; attn_case(a); }  // 4 store-tile splits, 1 past F = 192
+    a.split_tokens = 32; a.expect_splits = 7; a.mask_kind = 1; attn_case(a); }
+  // ... 4 store-tile splits (1 past F = 192), and the rest's 3: its bound, 64 - 1 + the larger tail capacity (24) = 87
+  // tokens, in 32-token splits
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.H_q = 8; a.H_kv = 1; a.B = 1; a.S = 0; a.mk = 256;
     a.mv = 256; a.ntk = 0; a.xscale = true; a.mask_kind = 1; a.num_sms = 2; attn_case(a); }  // 8 rows, empty remainder
   // 64-token steps at head_dim 128 (4 rows): asym and hybrid values (a zero term per 32-token block), G 32 and 64
@@ -1201,6 +1203,24 @@ void attn_cases() {
   // its own, ceil(749 / 128) = 6, after the store tiles' 256 / 128 = 2
   { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.S = 3; a.mk = 1000; a.mv = 288; a.ntk = 5; a.H_q = 4;
     a.H_kv = 1; a.split_tokens = 128; a.expect_splits = 8; a.mask_kind = 1; attn_case(a); }
+  // The rest in splits of about a group, planned to fill a wave (the general kernel's tiles are latency-bound one after
+  // another): the presets' windows (sink 32, 96-token tail), one CTA on 64 SMs: the store tiles' 512 tokens in one
+  // split (their minimum is 512), the rest's 96 tokens in 32-token splits: 3 (one 96-token split before 2026-11-28)
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 32; a.mk = 512; a.mv = 512; a.ntk = 96;
+    a.H_q = 4; a.H_kv = 1; a.B = 1; a.num_sms = 64; a.expect_splits = 4; attn_case(a);
+    // device lengths: the rest planned for 63 + the larger tail capacity (103) = 166 tokens, 6 splits of 32
+    a.dev_lengths = true; a.expect_splits = 7; attn_case(a); a.dev_lengths = false;
+    // KVKERNELS_ATTENTION_REST_SPLITS=1 (bench/attention_step.py's before): the rest in one split, same answer
+    setenv("KVKERNELS_ATTENTION_REST_SPLITS", "1", 1);
+    a.expect_splits = 2; attn_case(a);
+    a.dev_lengths = true; a.expect_splits = 2; attn_case(a);
+    unsetenv("KVKERNELS_ATTENTION_REST_SPLITS"); }
+  // device lengths, the key store 712 tokens ahead of the value store (so the value tail holds them): store tiles
+  // over F_cap = 320, 1; the rest planned for min(1074, 724 + 63) = 787 tokens, 25 splits of 32; at the counts it is
+  // 749 tokens past F = 256, so the last split is empty
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 3; a.mk = 1000; a.mv = 288; a.ntk = 5;
+    a.H_q = 4; a.H_kv = 1; a.B = 1; a.num_sms = 64; a.dev_lengths = true; a.mask_kind = 1; a.expect_splits = 26;
+    attn_case(a); }
   // KIVI tiles (kivi_tiles_kernel: keys "cols", values "rows", asym, equal widths 1 / 2 / 4): head_dim 64 / 128, 4 and
   // 8 rows per CTA (and two row blocks), key groups of 32 / 64 tokens, causal T = 3, masks, planned and explicit
   // splits, device lengths, a NaN key group; the store edges and tails in the general kernel
