@@ -565,7 +565,7 @@ AttnPlan plan_attention(const DecodeAttentionParams& p) {
   }
   if (C == 0)
     C = planned_split_tokens(reinterpret_cast<const void*>(pl.fn), kThreads, pl.smem_bytes, p.num_sms, ctas, walked, G,
-                             min_split);
+                             min_split, 1);  // a CTA's fixed work (queries, key_x_scale, partials): ~ a tile
   const int64_t splits = split_count(walked, C);
   pl.launch.C = C;
   pl.launch.num_splits = static_cast<int>(splits);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/kernels.h"
+#include "kvkernels/gemv.cuh"
 #include "kvkernels/kivi_mma.cuh"
 #include "kvkernels/mma.cuh"
 
@@ -71,20 +72,23 @@ struct StoreTilesLaunch {
   KiviConsts kivi_k, kivi_v;  // KIVI tiles: the dequantizing decoders' constants (kivi_mma.cuh)
 };
 
-// Split planning shared by both kernels: tokens per split for `tokens` tokens over `ctas` CTAs, one split unless the
-// CTAs fill less than a wave (resident CTAs of `fn` x SMs); then splits of at least min_split tokens, multiples of
-// unit, enough for a wave.
+// Split planning shared by both kernels: tokens per split for `tokens` tokens over `ctas` CTAs per split, a multiple
+// of unit, at least min_split tokens unless one split takes them all: the split that runs the grid in the fewest
+// modelled wave-rounds (wave_split_len, gemv.cuh; resident CTAs of `fn` x SMs), a CTA's fixed work counted as `fixed`
+// units. KVKERNELS_GEMV_PLANNER=v1 restores the first GPU run's rule: one split unless the CTAs fill less than a
+// wave, then ceil(wave / ctas) splits (which may spill into a second wave).
 inline int64_t planned_split_tokens(const void* fn, int threads, int smem_bytes, int num_sms, int64_t ctas,
-                                    int64_t tokens, int64_t unit, int64_t min_split) {
+                                    int64_t tokens, int64_t unit, int64_t min_split, int64_t fixed) {
   int occ = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, threads, smem_bytes) != cudaSuccess || occ < 1) occ = 1;
   (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
   const int64_t wave = static_cast<int64_t>(occ) * (num_sms > 1 ? num_sms : 1);
-  const auto up = [](int64_t a, int64_t b) { return (a + b - 1) / b * b; };
-  int64_t C = up(tokens > 1 ? tokens : 1, unit);  // one split
+  const int64_t whole = round_up(tokens > 1 ? tokens : 1, unit);  // one split
+  if (!gemv_planner_v1()) return wave_split_len(whole, unit, min_split, whole, ctas, wave, fixed);
+  int64_t C = whole;
   if (ctas < wave && tokens >= 2 * min_split) {
-    const int64_t per = (tokens + (wave + ctas - 1) / ctas - 1) / ((wave + ctas - 1) / ctas);
-    const int64_t want = up(per > min_split ? per : min_split, unit);
+    const int64_t per = ceil_div(tokens, ceil_div(wave, ctas));
+    const int64_t want = round_up(per > min_split ? per : min_split, unit);
     C = want < C ? want : C;
   }
   return C;

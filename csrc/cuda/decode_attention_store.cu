@@ -826,8 +826,9 @@ bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesL
   const int64_t ctas = p.B * p.H_kv * L.row_blocks;
   int64_t C = p.split_tokens;
   if (C == 0)
+    // a CTA's fixed work (query fragments, the warps' merge, partials) ~2 rounds of its 4 warps' 64-token steps
     C = planned_split_tokens(reinterpret_cast<const void*>(fn), kThreads, smem_bytes(p, L.nt), p.num_sms, ctas,
-                             F_cap, kStoreStep, kMinSplitTokens);
+                             F_cap, kStoreStep, kMinSplitTokens, 8);
   C = round_up(C, kStoreStep);  // an explicit split_tokens (a multiple of G) to whole steps
   const int64_t splits = split_count(F_cap, C);
   L.C = C;

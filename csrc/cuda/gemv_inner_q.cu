@@ -874,14 +874,18 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
     pl.error = "query tile too large for shared memory";
     return pl;
   }
-  pl.split_len = p.L <= max_len ? p.L : max_len;
   const bool v1 = gemv_planner_v1();
   const int64_t min_split = v1 ? kMinSplitValuesV1 : kMinSplitValues;
   const int64_t rb1 = ceil_div(mt, warps);  // CTAs per (b, h_kv) with one tile per warp
-  if (bh * rb1 * ceil_div(p.L, pl.split_len) < wave && p.L > min_split) {
-    const int64_t want = ceil_div(wave, bh * rb1);  // splits for one wave
-    const int64_t len = round_up(std::max(ceil_div(p.L, want), min_split), kChunk);
-    if (len < pl.split_len) pl.split_len = len;
+  if (v1) {  // the first GPU run's rule: ceil(wave / CTAs) splits when the grid is under a wave
+    pl.split_len = p.L <= max_len ? p.L : max_len;
+    if (bh * rb1 * ceil_div(p.L, pl.split_len) < wave && p.L > min_split) {
+      const int64_t want = ceil_div(wave, bh * rb1);  // splits for one wave
+      const int64_t len = round_up(std::max(ceil_div(p.L, want), min_split), kChunk);
+      if (len < pl.split_len) pl.split_len = len;
+    }
+  } else {  // whole waves (gemv.cuh); a CTA's fixed work (query staging, the ring's first copies) ~2 chunks
+    pl.split_len = wave_split_len(p.L, kChunk, min_split, max_len, bh * rb1, wave, 2);
   }
   pl.num_splits = ceil_div(p.L, pl.split_len);
   // rows per CTA: one tile per warp, doubled while the doubled grid still fills a wave (fewer CTAs stage the query)

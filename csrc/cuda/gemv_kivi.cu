@@ -524,12 +524,17 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   // rows per split: all of R if shared memory allows, else the longest multiple of 16 * rw that fits
   int64_t max_rows = 16 * rw;
   while (kivi_smem(max_rows + 16 * rw, pl.nt, ct, ring_bytes) <= budget) max_rows += 16 * rw;
-  pl.split_len = p.R <= max_rows ? p.R : max_rows;
-  const int64_t min_split = gemv_planner_v1() ? kMinSplitRowsV1 : kMinSplitRows;
-  if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * min_split) {
-    const int64_t want = ceil_div(wave, bh * pl.col_blocks);  // splits for one wave (values: long R)
-    const int64_t len = round_up(std::max(ceil_div(p.R, want), min_split), 16 * rw);
-    if (len < pl.split_len) pl.split_len = len;
+  const bool v1 = gemv_planner_v1();
+  const int64_t min_split = v1 ? kMinSplitRowsV1 : kMinSplitRows;
+  if (v1) {  // the first GPU run's rule: ceil(wave / CTAs) splits when the grid is under a wave
+    pl.split_len = p.R <= max_rows ? p.R : max_rows;
+    if (bh * pl.col_blocks * ceil_div(p.R, pl.split_len) < wave && p.R >= 2 * min_split) {
+      const int64_t want = ceil_div(wave, bh * pl.col_blocks);  // splits for one wave (values: long R)
+      const int64_t len = round_up(std::max(ceil_div(p.R, want), min_split), 16 * rw);
+      if (len < pl.split_len) pl.split_len = len;
+    }
+  } else {  // whole waves (gemv.cuh); a CTA's fixed work (query staging, the ring's first copies) ~2 k-steps
+    pl.split_len = wave_split_len(p.R, 16 * rw, min_split, max_rows, bh * pl.col_blocks, wave, 2);
   }
   pl.num_splits = ceil_div(p.R, pl.split_len);
   pl.smem_bytes = kivi_smem(pl.split_len, pl.nt, ct, ring_bytes);

@@ -1087,11 +1087,15 @@ ValuePlan plan_values(const GemvLatticeParams& p) {
   int64_t max_rows = 16 * rw;
   const int ng = pl.nb ? 0 : p.D / p.group_size;  // staged norm groups
   while (value_smem(p.grid_kind, pl.nt, pl.dw, ng, max_rows + 16 * rw) <= kSmemBudget) max_rows += 16 * rw;
-  pl.split_len = p.N <= max_rows ? p.N : max_rows;
-  if (bh * ceil_div(p.N, pl.split_len) < wave && p.N >= 2 * kMinSplitTokens) {
-    const int64_t want = ceil_div(wave, bh);  // splits for one wave
-    const int64_t len = round_up(std::max(ceil_div(p.N, want), kMinSplitTokens), 16 * rw);
-    if (len < pl.split_len) pl.split_len = len;
+  if (gemv_planner_v1()) {  // the first GPU run's rule (the GEMVs then): ceil(wave / CTAs) splits under a wave
+    pl.split_len = p.N <= max_rows ? p.N : max_rows;
+    if (bh * ceil_div(p.N, pl.split_len) < wave && p.N >= 2 * kMinSplitTokens) {
+      const int64_t want = ceil_div(wave, bh);  // splits for one wave
+      const int64_t len = round_up(std::max(ceil_div(p.N, want), kMinSplitTokens), 16 * rw);
+      if (len < pl.split_len) pl.split_len = len;
+    }
+  } else {  // whole waves (gemv.cuh); a CTA's fixed work (the table, the query, the norms' staging) ~2 k-steps
+    pl.split_len = wave_split_len(p.N, 16 * rw, kMinSplitTokens, max_rows, bh, wave, 2);
   }
   pl.num_splits = ceil_div(p.N, pl.split_len);
   pl.smem_bytes = value_smem(p.grid_kind, pl.nt, pl.dw, ng, pl.split_len);

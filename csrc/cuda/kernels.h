@@ -35,9 +35,10 @@ inline bool env_equals(const char* name, const char* value) {
 }
 
 // KVKERNELS_GEMV_PLANNER=v1: the split / CTA-size rules of gemv_inner_q and gemv_kivi as the first GPU run (H200,
-// 2026-11-26) measured them (shortest split 1024 / 512, InnerQ rows per CTA doubled while two waves remain), so a
-// benchmark can time them against today's rules on one machine. Read per plan; the math is the same up to the
-// split-K summation order.
+// 2026-11-26) measured them (shortest split 1024 / 512, InnerQ rows per CTA doubled while two waves remain, ceil(wave
+// / CTAs) splits under a wave), and that split rule for gemv_lattice_v and decode_attention_fused (today's: whole
+// waves, wave_split_len in gemv.cuh), so a benchmark can time them against today's rules on one machine. Read per
+// plan; the math is the same up to the split-K summation order.
 inline bool gemv_planner_v1() { return env_equals("KVKERNELS_GEMV_PLANNER", "v1"); }
 
 // KVKERNELS_GEMV_RING=0: gemv_inner_q, gemv_kivi and gemv_lattice_k read codes into registers one step at a time

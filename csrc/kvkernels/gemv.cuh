@@ -78,6 +78,40 @@ void clear_launch_error();
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
+// ---- split-K planning -------------------------------------------------------------------------------------------
+// Length of each split of a reduction over `total` elements, for a grid of `cols` CTAs per split (batch x heads x
+// row / column blocks) on `wave` resident CTAs (occupancy x SMs). The answer is `total` itself (one split) or a
+// multiple of `unit` in [min_len, max_len] (max_len: the shared-memory bound, a multiple of unit; a total over it must
+// split; a total under 2 min_len never does). It minimizes the modelled time: the waves the grid takes, rounded up,
+// times the units one CTA walks plus `fixed` units of per-CTA work (staging, prologue, epilogue). Ties go to longer
+// splits (fewer CTAs and partials).
+// Why waves rounded up: the first GPU run's rule took ceil(wave / cols) splits to fill a wave, which spills up to
+// cols - 1 CTAs into a second one (64 CTAs per split at batch 8 x 8 KV heads on 264 resident: 5 splits = 320 CTAs,
+// two waves for 1.2 waves of work, where 4 splits take one), and a long reduction split at the shared-memory bound
+// may leave its last wave nearly empty (InnerQ values at 128k tokens, batch 1: 103 splits x 8 = 824 CTAs, 3.1 waves
+// run as 4; 128 splits of 1024 values take the same 4 waves with 20 % less work each). The candidates are the
+// longest splits that fit the grid in k = 1, 2, ... waves.
+inline int64_t wave_split_len(int64_t total, int64_t unit, int64_t min_len, int64_t max_len, int64_t cols, int64_t wave,
+                              int64_t fixed) {
+  cols = cols > 1 ? cols : 1;
+  wave = wave > 1 ? wave : 1;
+  const int64_t lo = round_up(min_len > unit ? min_len : unit, unit);
+  const auto cost = [&](int64_t len) { return ceil_div(cols * ceil_div(total, len), wave) * (ceil_div(len, unit) + fixed); };
+  int64_t best = total <= max_len ? total : max_len;
+  if (total < 2 * lo || best <= lo) return best;
+  int64_t best_cost = cost(best);
+  for (int64_t k = 1; k <= 256; ++k) {
+    const int64_t n = k * wave / cols;  // splits that fit k waves
+    if (n < 2) continue;
+    int64_t len = round_up(ceil_div(total, n), unit);
+    len = len < lo ? lo : len > max_len ? max_len : len;
+    const int64_t c = cost(len);
+    if (c < best_cost) best = len, best_cost = c;
+    if (len == lo) break;  // shorter splits are not allowed
+  }
+  return best;
+}
+
 // Host planning: true when every row of a [n0, n1, n2, row] tensor starts `align`-byte aligned, i.e. the base pointer
 // and the stride (in elements of elem_bytes) of every dim longer than one are multiples of it. The wide-load and
 // cp.async paths of the GEMVs ask this of their code / scale / zero rows.

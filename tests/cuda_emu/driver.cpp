@@ -1277,6 +1277,37 @@ void attn_cases() {
   (void)i;
 }
 
+// wave_split_len (gemv.cuh), the split planner of the split-K GEMVs and decode_attention_fused, on the shapes its
+// comment argues from: (total, unit, min_len, max_len, CTAs per split, resident CTAs, fixed units) -> split length.
+void plan_cases() {
+  struct PlanCase { int64_t total, unit, min_len, max_len, cols, wave, fixed, want; const char* what; };
+  const PlanCase cases[] = {
+      // InnerQ values, 3 bits, 128k tokens, batch 1 x 8 KV heads, 2 CTAs x 132 SMs: at the shared-memory bound 103
+      // splits = 824 CTAs (3.1 waves, 4 rounds of 10 chunks); 128 splits of 8 chunks take the same 4 rounds
+      {131072, 128, 256, 1280, 8, 264, 2, 1024, "innerq values 128k b1"},
+      // store tiles at 8k tokens, batch 8 (64 CTAs per split): 4 splits fill one wave; the first run's rule made 5
+      // (320 CTAs, 2 waves)
+      {8192, 64, 512, 8192, 64, 264, 8, 2048, "store tiles 8k b8"},
+      // batch 1: a wave of 33 splits is shorter than the minimum: 16 of 512
+      {8192, 64, 512, 8192, 8, 264, 8, 512, "store tiles 8k b1"},
+      // under two minimum splits: one split
+      {480, 32, 256, 480, 1, 264, 1, 480, "short"},
+      // a grid of exactly two waves: splitting it in two takes four rounds of half the work plus the fixed costs
+      {4096, 128, 256, 4096, 528, 264, 2, 4096, "two full waves"},
+      // 600 CTAs = 2.27 waves run as 3 rounds (102 units); two splits, 1200 CTAs, 5 rounds of half (90)
+      {4096, 128, 256, 4096, 600, 264, 2, 2048, "2.27 waves"},
+      // the shared-memory bound alone (one CTA per split, a wave of 1): the longest allowed
+      {10000, 100, 200, 1000, 1, 1, 0, 1000, "wave of one"},
+  };
+  for (const PlanCase& c : cases) {
+    const int64_t got = kvk::wave_split_len(c.total, c.unit, c.min_len, c.max_len, c.cols, c.wave, c.fixed);
+    const bool ok = got == c.want;
+    res.cases++;
+    if (!ok) res.fails++;
+    printf("plan %s: split %ld (want %ld) : %s\n", c.what, (long)got, (long)c.want, ok ? "ok" : "FAIL");
+  }
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string which = argc > 1 ? argv[1] : "all";
@@ -1449,7 +1480,7 @@ int main(int argc, char** argv) {
   }
   if (which == "decode" || which == "all") decode_cases();
   if (which == "append" || which == "all") append_cases();
-  if (which == "attn" || which == "all") attn_cases();
+  if (which == "attn" || which == "all") attn_cases(), plan_cases();
   if (which == "lattice" || which == "all") {
     using LG = LatticeGrid;
     lattice_index_cases();
