@@ -93,6 +93,7 @@ __host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ce
 // longest splits that fit the grid in k = 1, 2, ... waves.
 inline int64_t wave_split_len(int64_t total, int64_t unit, int64_t min_len, int64_t max_len, int64_t cols, int64_t wave,
                               int64_t fixed) {
+  if (total < 1) return 1;  // an empty reduction launches nothing; a plan asked about it must not divide by zero
   cols = cols > 1 ? cols : 1;
   wave = wave > 1 ? wave : 1;
   const int64_t lo = round_up(min_len > unit ? min_len : unit, unit);

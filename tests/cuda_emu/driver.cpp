@@ -1298,6 +1298,8 @@ void plan_cases() {
       {4096, 128, 256, 4096, 600, 264, 2, 2048, "2.27 waves"},
       // the shared-memory bound alone (one CTA per split, a wave of 1): the longest allowed
       {10000, 100, 200, 1000, 1, 1, 0, 1000, "wave of one"},
+      // an empty reduction (the GEMVs' plan queries may see L = 0): a length to divide by
+      {0, 128, 256, 1280, 8, 264, 2, 1, "empty"},
   };
   for (const PlanCase& c : cases) {
     const int64_t got = kvk::wave_split_len(c.total, c.unit, c.min_len, c.max_len, c.cols, c.wave, c.fixed);
