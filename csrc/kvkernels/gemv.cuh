@@ -102,13 +102,14 @@ inline int64_t wave_split_len(int64_t total, int64_t unit, int64_t min_len, int6
   if (total < 2 * lo || best <= lo) return best;
   int64_t best_cost = cost(best);
   for (int64_t k = 1; k <= 256; ++k) {
-    const int64_t n = k * wave / cols;  // splits that fit k waves
-    if (n < 2) continue;
+    const int64_t fit = k * wave / cols;  // splits that fit k waves
+    if (fit < 2) continue;
+    const int64_t n = fit < 65535 ? fit : 65535;  // the grid's y dimension (the split-K GEMVs refuse more splits)
     int64_t len = round_up(ceil_div(total, n), unit);
     len = len < lo ? lo : len > max_len ? max_len : len;
     const int64_t c = cost(len);
     if (c < best_cost) best = len, best_cost = c;
-    if (len == lo) break;  // shorter splits are not allowed
+    if (len == lo || n == 65535) break;  // shorter splits are not allowed
   }
   return best;
 }

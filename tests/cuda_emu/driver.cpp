@@ -1300,6 +1300,9 @@ void plan_cases() {
       {10000, 100, 200, 1000, 1, 1, 0, 1000, "wave of one"},
       // an empty reduction (the GEMVs' plan queries may see L = 0): a length to divide by
       {0, 128, 256, 1280, 8, 264, 2, 1, "empty"},
+      // one CTA per split on a wave of 100000: the first candidate is capped at the grid's 65535 splits (58255 of
+      // 1152 values), not 100000 splits of 768
+      {int64_t{1} << 26, 128, 256, int64_t{1} << 26, 1, 100000, 2, 1152, "grid y limit"},
   };
   for (const PlanCase& c : cases) {
     const int64_t got = kvk::wave_split_len(c.total, c.unit, c.min_len, c.max_len, c.cols, c.wave, c.fixed);
