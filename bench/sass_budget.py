@@ -955,23 +955,26 @@ def aqua_table(rows: list[AquaRow]) -> str:
 
 # ---- decode_attention_fused: a split-KV attention kernel with runtime switches --------------------------------------
 # csrc/cuda/decode_attention.cu's steady state is its 32-token tile loop (stage keys and values into shared memory,
-# scores, online softmax, P.V; 3 barriers), not an innermost loop: the staging loop inside it holds every runtime
-# case (bits 1-4, "rows" token units and "cols" channel units, window tokens, the 64-bit division helper), so
-# hot_loops (which would pick it: most LDG) counts code no tile runs. Instead the tile loop is walked as a control-flow
-# graph (nvdisasm -gi: every instruction's inline chain of source lines). ptxas splits the staging body at `u < D`
-# into a key copy and a value copy (the values' Side has no key_x_scale: the copy without x_scale code is theirs);
-# per side, the blocks whose work comes mostly from another case than the tile class's (another bit width, the other
-# unit kind, window / invalid tokens, the x_scale multiply when there is none, the hybrid scale branch; outside
-# staging the additive mask) are cut, with the 64-bit division call (32-bit operands take the inline path) and what
-# only cut blocks reach. What lies on a path from the loop's head to its back edge is counted per execution: a side's
-# staging path D / 32 times per CTA (warp-units of 32 units: D = 128, every warp one key and one value unit; D = 64,
-# warps 0-1 keys, 2-3 values), the score loop (unroll 4 of the D / 4 float4 steps) the trip count its FFMAs imply
-# (ROWS / 4 rows x D per warp), the rest once per warp (4). A branch with both sides on the path is counted on both (an
-# upper bound; addresses in --json: today a few instructions each, the staging loop's entry guard, the skip of a
-# zero-fill or of the x_scale multiply, the softmax's row guards). Compulsory bytes of a tile: keys + values codes of
-# 32 tokens x D and their fp16 scales (+ zeros) at G = 32. Query rows 4 (GQA 4 at q_len 1), no mask (causal): the
-# kernel instantiated for row blocks of 4 (ROWS = 4: one row per warp in scores and softmax, 4 / (128 / D) per
-# thread in P.V), which the launcher picks for R <= 4.
+# scores, online softmax, P.V; 3 barriers), not an innermost loop: its staging (load_unit / finish_unit, unrolled over
+# a thread's units) holds every runtime case (bits 1-4 behind a switch that ptxas may compile to a jump table, "rows"
+# and "cols" units, window and invalid tokens, the 64-bit division helper), so hot_loops (which would pick the loop
+# with most LDG) counts code no tile runs. Instead the tile loop is walked as a control-flow graph (nvdisasm -gi:
+# every instruction's inline chain of source lines). An instruction belongs to a side's staging when its chain holds
+# one of the kernel's load_unit / finish_unit call sites for that side; per side, instructions of another case than
+# the tile class's (another bit width, the other unit kind's group, window / invalid tokens, the x_scale multiply when
+# there is none, the hybrid scale branch; outside staging the additive mask) are excluded, and a block mostly of
+# excluded work is cut, with the 64-bit division call (32-bit operands take the inline path) and what only cut blocks
+# reach. What lies on a path from the loop's head to its back edge is counted per execution: a side's staging code
+# D / 32 times per CTA (warp-units: D = 128, every thread one key and one value unit; D = 64, warps 0-1 keys, 2-3
+# values), the score loop (unroll 4 of the D / 4 float4 steps) the trip count its FFMAs imply (ROWS / 4 rows x D per
+# warp), the rest once per warp (4). A branch with both sides on the path is counted on both (an upper bound;
+# addresses in --json: the staging's unit-kind tests, where unit_site's cols and rows store branches both stay on the
+# path (ptxas merges their address arithmetic), the skip of a zero-fill or of the x_scale multiply, the softmax's row
+# guards). At D = 64 ptxas may merge the two sides' staging into one copy carrying either side's lines: the total
+# holds (both sides weigh D / 32), the split between "keys unit" and "values unit" does not. Compulsory bytes of a
+# tile: keys + values codes of 32 tokens x D and their fp16 scales (+ zeros) at G = 32. Query rows 4 (GQA 4 at q_len
+# 1), no mask (causal): the kernel instantiated for row blocks of 4 (ROWS = 4: one row per warp in scores and softmax,
+# 4 / (128 / D) per thread in P.V), which the launcher picks for R <= 4.
 ATTN_SOURCE = "decode_attention.cu"
 CONTROL_ONLY = {"BRA", "BSSY", "BSYNC", "WARPSYNC", "NOP", "CALL", "RET", "EXIT", "BMOV"}
 
@@ -1066,9 +1069,12 @@ class Block:
 
 
 def basic_blocks(k: Kernel) -> dict[int, Block]:
-    """Basic blocks by start address; successors from BRA (label targets) and fall-through."""
+    """Basic blocks by start address; successors from BRA (label targets) and fall-through. An indexed jump (BRX, a
+    switch's jump table) ends its block with unknown targets: its successors are the labelled blocks no other block
+    reaches, from it up to the next BRX (where ptxas places the cases), and its fall-through."""
     ins = [i for i in k.instrs if i[1] not in SKIP]
     target, jumps = {}, set()
+    brx = {a for a, op, _ in ins if op.startswith("BRX")}
     for a, op, text in ins:
         m = re.search(r"\(([.$\w]+)\)", text)
         # BRA, and CALL.REL.NOINC to a local label: ptxas's loop exit (`@P0 CALL.REL.NOINC .L_x_50` + `BRA head`,
@@ -1078,7 +1084,7 @@ def basic_blocks(k: Kernel) -> dict[int, Block]:
             jumps.add(a)
     leaders = {ins[0][0], *k.labels.values()}
     for idx, (a, op, _) in enumerate(ins[:-1]):
-        if a in jumps or op.startswith(("EXIT", "RET")):
+        if a in jumps or a in brx or op.startswith(("EXIT", "RET")):
             leaders.add(ins[idx + 1][0])
     blocks, cur = {}, None
     for a, op, text in ins:
@@ -1101,6 +1107,13 @@ def basic_blocks(k: Kernel) -> dict[int, Block]:
                 b.succs.append(nxt)
         elif nxt is not None:
             b.succs.append(nxt)
+    if brx:
+        reached = {t for b in blocks.values() for t in b.succs}
+        ends = sorted(brx)
+        for n, x in enumerate(ends):
+            src = max(st for st in starts if st <= x)
+            hi = ends[n + 1] if n + 1 < len(ends) else float("inf")
+            blocks[src].succs += [st for st in starts if x < st < hi and st not in reached and st != starts[0]]
     return blocks
 
 
@@ -1136,40 +1149,61 @@ def _line_of(lines: list[str], pattern: str, after: int = 0) -> int:
     raise RuntimeError(f"decode_attention source: no line matches {pattern!r} (after line {after})")
 
 
+def _block_lines(lines: list[str], head: int) -> set[int]:
+    """1-based lines inside the brace block whose `{` ends line `head`, up to the line that closes it."""
+    depth, out = 1, set()
+    for n in range(head, len(lines)):
+        if lines[n].strip().startswith("}") and depth == 1:
+            return out
+        out.add(n + 1)
+        depth += lines[n].count("{") - lines[n].count("}")
+        if depth <= 0:
+            return out
+    raise RuntimeError(f"decode_attention source: no closing brace for the block on line {head}")
+
+
 def attention_markers(src: Path, quant: Path) -> dict:
     """Source lines that tell the tile classes apart (found by pattern, so edits to the kernel move them along)."""
     L = source_lines(src)
     q = source_lines(quant)
     fname, qname = src.name, quant.name
-    invalid = _line_of(L, r"if \(!valid\) \{")
-    window = _line_of(L, r"\} else if \(j < S \|\| j >= S \+ sd\.m\)", invalid)
-    rows = _line_of(L, r"\} else \{\s*// \"rows\" store token", window)
-    rt = _line_of(L, r"void dequant_block_rt\(")
-    cases = {b: (fname, _line_of(L, rf"case {b}: dequant_block<{b}>", rt)) for b in (1, 2, 3)}
-    cases[4] = (fname, _line_of(L, r"default: dequant_block<4>", rt))
+    site = _line_of(L, r"UnitSite unit_site\(")
+    channel_site = _line_of(L, r"if \(sd\.cols && j0 >= S && j0 < S \+ sd\.m\) \{", site)
+    window_site = _line_of(L, r"if \(j < S \|\| j >= S \+ sd\.m\) \{", channel_site)
+    rows_site = _line_of(L, r"const int64_t r = j - S;", window_site)
+    load = _line_of(L, r"UnitLoad load_unit\(")
+    load_w16 = _line_of(L, r"\} else if \(site\.kind == UnitKind::kWindow16\) \{", load)
+    finish = _line_of(L, r"void finish_unit\(")
+    fin_w16 = _line_of(L, r"\} else if \(site\.kind == UnitKind::kWindow16\) \{", finish)
+    fin_w = _line_of(L, r"\} else if \(site\.kind == UnitKind::kWindow\) \{", fin_w16)
+    fin_zero = _line_of(L, r"^\s*\} else \{\s*$", fin_w)
+    fin_channel = _line_of(L, r"if \(site\.channel\) \{", fin_zero)
+    fin_rows = _line_of(L, r"const int c0 = 32 \* \(w / kTile\);", fin_channel)
+    fin_end = _line_of(L, r"^\}\s*$", fin_rows)
+    xs_mul = _line_of(L, r"v\[i\] \*= x4\.x", fin_rows)
+    rt = _line_of(L, r"void dequant_words_rt\(")
+    cases = {b: (fname, _line_of(L, rf"case {b}: dequant_words<{b}>", rt)) for b in (1, 2, 3)}
+    cases[4] = (fname, _line_of(L, r"default: dequant_words<4>", rt))
     grt = _line_of(q, r"GroupAffine group_affine_rt\(")
     hyb = _line_of(q, r"if \(mode == QuantMode::kHybrid\) \{", grt)
     hyb_end = _line_of(q, r"^\s*\}\s*$", hyb)
+    # a store unit takes the first branch of load_unit's and finish_unit's kind dispatch: the other branches' heads
+    # are off its path too (the window-site test in unit_site is not: a rows store token passes it)
+    not_store = _block_lines(L, window_site)
+    for head in (load_w16, fin_w16, fin_w, fin_zero):
+        not_store |= {head} | _block_lines(L, head)
     return {
-        "keys": (fname, _line_of(L, r"stage_unit<D>\(sk,")),
-        "values": (fname, _line_of(L, r"stage_unit<D>\(sv,")),
-        "channel_unit": (fname, _line_of(L, r"stage_channel_unit<D>\(sd,")),
-        "token_unit": (fname, _line_of(L, r"stage_token_unit<D>\(sd,")),
-        "not_store": {(fname, n) for n in (*range(invalid + 1, window), *range(window + 1, rows))},
-        "xs_multiply": (fname, _line_of(L, r"v\[i\] \*= x4\.x")),
-        "shared_calls": {
-            (fname, _line_of(L, p))
-            for p in (
-                r"affine_of\(sd, r \* sd",
-                r"dequant_block_rt\(sd\.bits, sd\.codes \+ r",
-                r"affine_of\(sd, c \* sd",
-                r"dequant_block_rt\(sd\.bits, sd\.codes \+ c",
-            )
-        },
-        "xs_read": {
-            (fname, _line_of(L, r"const float4 x4 = \*reinterpret_cast<const float4\*>\(sd\.xs")),
-            (fname, _line_of(L, r"const float xs = sd\.xs != nullptr")),
-        },
+        # the kernel's call sites of a side's staging (every instruction of it carries one in its inline chain)
+        "keys": {(fname, _line_of(L, p)) for p in (r"= load_unit<D>\(sk,", r"finish_unit<D>\(ld\[i\], sk,")},
+        "values": {(fname, _line_of(L, p)) for p in (r"= load_unit<D>\(sv,", r"finish_unit<D>\(ld\[i\], sv,")},
+        # code of one unit kind only: a cols unit's block and group, and its column writes; a rows unit's token and
+        # group, and its row writes (not the address arithmetic of unit_site's two store returns: ptxas merges it
+        # into one copy, with either return's lines)
+        "channel_only": {(fname, n) for n in (channel_site + 1, channel_site + 2, *_block_lines(L, fin_channel))},
+        "rows_only": {(fname, n) for n in (rows_site, rows_site + 1, *range(fin_rows, fin_end))},
+        # window and invalid-token code (the tile classes are store tiles)
+        "not_store": {(fname, n) for n in not_store},
+        "xs_multiply": {(fname, xs_mul), (fname, xs_mul - 1)},
         "cases": cases,
         "hybrid": {(qname, n) for n in range(hyb + 1, hyb_end)},
         "mask": (fname, _line_of(L, r"sc = s\[k\] \+ __ldg\(mrow")),
@@ -1198,114 +1232,94 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     loops = find_loops(k)
     chain = k.chains
 
-    def staging(ch) -> bool:  # code of stage_unit (ptxas merges the key and value call sites into one body)
-        return mk["keys"] in ch or mk["values"] in ch
-
-    # loops: staging (holds stage_unit), tile (the smallest loop around it), scores (inside the tile loop, holds the
-    # score FFMAs)
-    def in_loop(lp, pred):
-        return any(pred(chain.get(a, ())) for a, _, _ in body(k, lp))
+    def side_of(ch) -> str | None:  # the staging side an instruction's inline chain belongs to
+        if mk["keys"] & set(ch):
+            return "keys"
+        if mk["values"] & set(ch):
+            return "values"
+        return None
 
     def score_fma(ch) -> bool:
         return any(x in mk["score_fma"] for x in ch)
 
-    stage = min((lp for lp in loops if in_loop(lp, staging)), key=lambda lp: lp.end - lp.start)
-    tile = min((lp for lp in loops if lp.contains(stage)), key=lambda lp: lp.end - lp.start)
+    def in_loop(lp, pred):
+        return any(pred(chain.get(a, ())) for a, _, _ in body(k, lp))
+
+    # loops: tile (the smallest loop holding both the staging and the score FFMAs), scores (inside it, holds the score
+    # FFMAs, not the staging)
+    tiles = [lp for lp in loops if in_loop(lp, lambda ch: side_of(ch) is not None) and in_loop(lp, score_fma)]
+    if not tiles:
+        raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: no loop holds both the staging and the scores")
+    tile = min(tiles, key=lambda lp: lp.end - lp.start)
     scores = [
-        lp for lp in loops if tile.contains(lp) and not lp.contains(stage) and lp != stage and in_loop(lp, score_fma)
+        lp
+        for lp in loops
+        if tile.contains(lp) and lp != tile and in_loop(lp, score_fma) and not in_loop(lp, lambda c: side_of(c))
     ]
     if len(scores) != 1:
         raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: expected one score loop, found {len(scores)}")
     scores = scores[0]
+    sides = {"keys": keys, "values": values}
 
-    def excluded(ch, sd: AttnSide | None) -> bool:
+    def excluded(ch) -> bool:
         if not ch:
             return False
         if mk["mask"] in ch:  # no additive mask (decode at q_len 1: the causal rule)
             return True
-        if sd is None or not staging(ch):
+        name = side_of(ch)
+        if name is None:
             return False
-        # the other unit kind, except inside affine_of / dequant_block_rt: ptxas merges their code between the
-        # units (one copy, line info from either)
-        if mk["token_unit" if sd.cols else "channel_unit"] in ch and not mk["shared_calls"] & set(ch):
+        sd, here = sides[name], set(ch)
+        if here & mk["not_store"] or here & mk["rows_only" if sd.cols else "channel_only"]:
             return True
-        if any(x in mk["not_store"] for x in ch):
+        if not sd.xs and here & mk["xs_multiply"]:
             return True
-        if not sd.xs and mk["xs_multiply"] in ch:
+        if any(mk["cases"][b] in here for b in mk["cases"] if b != sd.bits):
             return True
-        if any(mk["cases"][b] in ch for b in mk["cases"] if b != sd.bits):
-            return True
-        return sd.mode != "hybrid" and any(x in mk["hybrid"] for x in ch)
+        return sd.mode != "hybrid" and bool(here & mk["hybrid"])
 
-    def allowed_for(sd: AttnSide | None) -> set[int]:
-        """Blocks not cut: most of a cut block's instructions come from another case (a block on the path may hold a
-        few instructions hoisted from a case it skips, e.g. address arithmetic); the 64-bit division helper is cut
-        (32-bit operands take the inline path)."""
-        cut = set()
-        for s, b in blocks.items():
-            if any(op.startswith("CALL") and "$__internal" in t for _, op, t in b.instrs):
-                cut.add(s)
-                continue
-            work = [a for a, op, _ in b.instrs if op.split(".")[0] not in CONTROL_ONLY]  # a join's BSYNC: any line
-            n = sum(1 for a in work if excluded(chain.get(a, ()), sd))
-            if sd is None:  # outside staging: the union of both sides' paths
-                n = min(n, *(sum(1 for a in work if excluded(chain.get(a, ()), x)) for x in (keys, values)))
-            if 2 * n > len(work) and n >= 4:  # small blocks (joins, dispatch compares) carry any neighbour's line
-                cut.add(s)
-        changed = True
-        while changed:  # code reached only from cut blocks is off the path too
-            changed = False
-            for s in blocks:
-                if s not in cut and preds.get(s) and all(x in cut for x in preds[s]):
-                    cut.add(s)
-                    changed = True
-        return set(blocks) - cut
+    def work_of(b: Block) -> list:
+        return [x for x in b.instrs if x[1].split(".")[0] not in CONTROL_ONLY]  # a join's BSYNC: any line
 
     preds: dict[int, list[int]] = {}
     for s, b in blocks.items():
         for t in b.succs:
             preds.setdefault(t, []).append(s)
 
+    # Blocks cut from the path: most of a cut block's work comes from another case (a block on the path may hold a
+    # few instructions hoisted from a case it skips, e.g. address arithmetic); the 64-bit division helper (32-bit
+    # operands take the inline path); what only cut blocks reach.
+    cut = set()
+    for s, b in blocks.items():
+        if any(op.startswith("CALL") and "$__internal" in t for _, op, t in b.instrs):
+            cut.add(s)
+            continue
+        work = work_of(b)
+        n = sum(1 for a, _, _ in work if excluded(chain.get(a, ())))
+        if 2 * n > len(work) and n >= 4:  # small blocks (joins, dispatch compares) carry any neighbour's line
+            cut.add(s)
+    changed = True
+    while changed:
+        changed = False
+        for s in blocks:
+            if s not in cut and preds.get(s) and all(x in cut for x in preds[s]):
+                cut.add(s)
+                changed = True
+    allowed = set(blocks) - cut
+
     def latch_of(lp: Loop) -> int:
         return max(s for s in blocks if s <= lp.end)
 
     back = (latch_of(tile), tile.start)
-    allowed = allowed_for(None)
     on_path = _reach(blocks, tile.start, allowed, {back}) & _reach(blocks, back[0], allowed, {back}, rev=True)
     if tile.start not in on_path:
         raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: no path through the tile loop")
-
-    def loop_blocks(lp: Loop, within: set[int]) -> set[int]:
-        """Blocks on a cycle through an inner loop's back edge that does not use the tile loop's."""
-        return _reach(blocks, lp.start, within, {back}) & _reach(blocks, latch_of(lp), within, {back}, rev=True)
-
-    stage_all, score_b = loop_blocks(stage, on_path), loop_blocks(scores, on_path)
-    # ptxas specializes the staging body per side at the `u < D` branch (the values' Side has no key_x_scale, so
-    # its copy has no x_scale code): the keys take the successor whose code reads key_x_scale
-    stage_latch = latch_of(stage)
-    copies = [t for t in blocks[stage.start].succs if t in stage_all]
-    cut_stage = {back, (stage_latch, stage.start)}
-    copy_of = {}
-    if len(copies) == 2:
-        reach = {t: _reach(blocks, t, stage_all, cut_stage) for t in copies}
-        xs_code = {
-            t: any(mk["xs_read"] & set(chain.get(a, ())) for s in r for a, _, _ in blocks[s].instrs)
-            for t, r in reach.items()
-        }
-        if sum(xs_code.values()) == 1:
-            copy_of = {
-                "keys": next(t for t in copies if xs_code[t]),
-                "values": next(t for t in copies if not xs_code[t]),
-            }
-    if not copy_of:
-        raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: staging is not split into a key and a value copy")
-    side_paths = {}
-    for name, sd in (("keys", keys), ("values", values)):
-        ok = allowed_for(sd) - {t for t in copies if t != copy_of[name]}
-        path = loop_blocks(stage, ok)
-        if stage.start not in path:
-            raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: no staging path for {name} {sd}")
-        side_paths[name] = path
+    score_b = _reach(blocks, scores.start, on_path, {back}) & _reach(
+        blocks, latch_of(scores), on_path, {back}, rev=True
+    )
+    for name in sides:
+        if not any(side_of(chain.get(a, ())) == name for s in on_path for a, _, _ in blocks[s].instrs):
+            raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: no staging path for {name} {sides[name]}")
 
     # score loop trip count from its FFMAs: ATTN_ROWS / 4 rows x D per warp
     def fma_score(bs):
@@ -1313,33 +1327,38 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
             1 for s in bs for a, op, _ in blocks[s].instrs if op.startswith("FFMA") and score_fma(chain.get(a, ()))
         )
 
-    inside, outside = fma_score(score_b), fma_score(on_path - score_b - stage_all)
+    inside, outside = fma_score(score_b), fma_score(on_path - score_b)
     trip = (ATTN_ROWS // 4 * D - outside) / inside if inside else 0
     if trip != int(trip) or trip < 1:
         raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: score FFMAs {inside} / loop, {outside} outside")
-    units = D // 32  # warp-units of keys (and of values) per CTA tile
+    # executions per CTA tile: a side's staging code D / 32 times (warp-units of 32 units: D = 128, every thread one
+    # key and one value unit; D = 64, warps 0-1 keys, 2-3 values), the score loop 4 x its trip count, the rest once
+    # per warp (4)
+    units = D // 32
     tot = {p: 0 for p in ("issue", "alu", "fma", "imad", "mio", "lsu", "hmma", "xu")}
     parts = {"keys unit": 0, "values unit": 0, "scores loop": 0, "rest": 0}
     local = 0
-    weighted = [(s, 4 * int(trip), "scores loop") for s in score_b]
-    weighted += [(s, 4, "rest") for s in on_path - score_b - stage_all]
-    weighted += [(s, units, f"{name} unit") for name, path in side_paths.items() for s in path]
-    for s, w, part in weighted:
-        c = count(blocks[s].instrs)
-        for p in tot:
-            tot[p] += w * c[p]
-        parts[part] += w * c["issue"]
-        local += sum(1 for _, op, _ in blocks[s].instrs if op.split(".")[0] in ("LDL", "STL"))
-    both = []  # branches with both successors on a path: counted on both sides (an upper bound)
-    for path, loop_edges in (
-        (on_path - stage_all, {back, (latch_of(scores), scores.start)}),
-        *((p, {(latch_of(stage), stage.start)}) for p in side_paths.values()),
-    ):
-        for s in path:
-            b = blocks[s]
-            a = b.instrs[-1][0]
-            if a in k.predicated and sum(1 for t in b.succs if t in path and (s, t) not in loop_edges) == 2:
-                both.append(a)
+    for s in on_path:
+        for ins in blocks[s].instrs:
+            name = side_of(chain.get(ins[0], ()))
+            if s in score_b:
+                w, part = 4 * int(trip), "scores loop"
+            elif name is not None:
+                w, part = units, f"{name} unit"
+            else:
+                w, part = 4, "rest"
+            c = count([ins])
+            for p in tot:
+                tot[p] += w * c[p]
+            parts[part] += w * c["issue"]
+            local += ins[1].split(".")[0] in ("LDL", "STL")
+    both = []  # branches with both successors on the path: counted on both sides (an upper bound)
+    loop_edges = {back, (latch_of(scores), scores.start)}
+    for s in on_path:
+        b = blocks[s]
+        a = b.instrs[-1][0]
+        if a in k.predicated and sum(1 for t in b.succs if t in on_path and (s, t) not in loop_edges) == 2:
+            both.append(a)
     nbytes = keys.tile_bytes(D) + values.tile_bytes(D)
     ctas = min(ctas_per_sm(k.regs, 128, k.arch), smem_ctas)
     m = model(tot, nbytes, k.arch)
@@ -1376,11 +1395,13 @@ def attention_rows(kernels: list[Kernel]) -> list[AttnRow]:
 # store edges (the store tiles are decode_attention_store.cu's, gated in the main table). A regression fails, an
 # improvement should lower the ceiling.
 ATTN_CEILING: dict[tuple[str, int], float] = {
-    # (preset, head_dim): ceiling (recorded with nvcc 13.0, 4-row instantiation, LOP3 decoders: 42.0 / 47.7 / 45.5 /
-    # 52.2)
-    ("innerq_base", 128): 43.3,
-    ("innerq_base", 64): 49.2,
-    ("kivi2", 128): 46.9,
+    # (preset, head_dim): ceiling (recorded with nvcc 13.0, 4-row instantiation). 42.0 / 47.7 / 45.5 / 52.2 until the
+    # staging issued all of a thread's reads before decoding any (load_unit / finish_unit, 2026-11-29): one memory
+    # round trip a tile instead of about four, for 47.1 / 51.0 / 51.4 / 49.0 by this walk (part of the rise is the
+    # walk's: both of unit_site's store branches are counted, ~40 instructions a warp-unit)
+    ("innerq_base", 128): 48.6,
+    ("innerq_base", 64): 52.6,
+    ("kivi2", 128): 53.0,
     ("kivi2", 64): 53.8,
 }
 

@@ -263,9 +263,12 @@ def test_attention_tile_bytes_and_shared_memory():
 def test_attention_markers_match_the_kernel_source():
     # the tile-class walk keys on source lines of csrc/cuda/decode_attention.cu: each pattern must still be there
     mk = sb.attention_markers(ROOT / "csrc" / "cuda" / sb.ATTN_SOURCE, ROOT / "csrc" / "kvkernels" / "quant.cuh")
-    assert mk["keys"][1] < mk["values"][1]
+    assert len(mk["keys"]) == 2 and len(mk["values"]) == 2 and not mk["keys"] & mk["values"]
     assert set(mk["cases"]) == {1, 2, 3, 4} and len(mk["score_fma"]) == 4
-    assert len(mk["shared_calls"]) == 4 and mk["not_store"] and mk["hybrid"]
+    assert mk["not_store"] and mk["hybrid"] and len(mk["xs_multiply"]) == 2
+    # the unit kinds' own code never overlaps, nor does it overlap the window / invalid-token code
+    assert mk["channel_only"] and mk["rows_only"] and not mk["channel_only"] & mk["rows_only"]
+    assert not (mk["channel_only"] | mk["rows_only"]) & mk["not_store"]
 
 
 LINED = """
@@ -289,6 +292,34 @@ def test_lined_sass_blocks_treat_a_local_call_as_a_loop_exit():
     blocks = sb.basic_blocks(k)
     # @P0 CALL.REL.NOINC to a local label is ptxas's loop exit: a jump, not a call that returns
     assert sorted(blocks[0x10].succs) == [0x30, 0x40] and blocks[0x30].succs == [0x10]
+
+
+SWITCH = """
+        .text._Z1sv:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   BRX R0 -0x20 ;
+.L_x_1:
+        /*0020*/                   IADD3 R1, R0, 0x1, RZ ;
+        /*0030*/                   BRA `(.L_x_4) ;
+.L_x_2:
+        /*0040*/                   IADD3 R1, R0, 0x2, RZ ;
+        /*0050*/                   BRA `(.L_x_4) ;
+.L_x_3:
+        /*0060*/                   IADD3 R1, R0, 0x3, RZ ;
+.L_x_4:
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_lined_sass_blocks_follow_a_jump_table():
+    # BRX (a switch compiled to a jump table) has no label: its cases are the labelled blocks nothing else reaches
+    # (here .L_x_2 and .L_x_3; .L_x_1 is its fall-through), so a walk reaches every case
+    (k,) = sb.parse_lined_sass(SWITCH, "90")
+    blocks = sb.basic_blocks(k)
+    assert sorted(blocks[0x0].succs) == [0x20, 0x40, 0x60] and blocks[0x60].succs == [0x70]
+    assert sb._reach(blocks, 0x0, set(blocks), set()) == {0x0, 0x20, 0x40, 0x60, 0x70}
+    # without the jump table's edges .L_x_2 and .L_x_3 were unreachable: the walk lost the 2-bit case of the fused
+    # attention's staging this way (ptxas chose a jump table there on 2026-11-29)
 
 
 def test_ring64_tiles_match_the_kernel_source():

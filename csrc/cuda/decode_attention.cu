@@ -21,8 +21,9 @@
 // Per tile: (1) stage: every thread dequantizes 32-value units of the key and the value tile into shared memory as
 // fp32 (token-major [32][D + 4]): a "rows" unit is 32 channels of one token (sink, store or tail, chosen per token;
 // the general path that also serves tiles mixing store and tail tokens), a "cols" unit is the 32 tokens of one
-// channel (tiles wholly inside a cols store: one packed block, one scale / zero). Store keys are multiplied by
-// key_x_scale here. (2) scores: warp w owns rows w, w + 4, ... (ROWS / 4 of them) and lane j token j of the tile; fp32 dot
+// channel (tiles wholly inside a cols store: one packed block, one scale / zero). A thread issues every global read
+// of its units (keys and values) before it decodes any (load_unit, finish_unit), so a tile waits for one memory round
+// trip. Store keys are multiplied by key_x_scale here. (2) scores: warp w owns rows w, w + 4, ... (ROWS / 4 of them) and lane j token j of the tile; fp32 dot
 // products from shared memory (float4, conflict-free: the row pitch D + 4 puts 8 consecutive tokens' 16-byte chunks
 // in distinct banks), the mask or the causal rule, then the online softmax of the row inside the warp (running max
 // m, sum l; a row whose scores are all -inf so far keeps m = -inf and contributes p = 0, never -inf - -inf).
@@ -111,16 +112,13 @@ __device__ __forceinline__ Side resolve(const AttnWindow& sink, const AttnWindow
   return s;
 }
 
-// 32 codes of one packed block (BITS words at `blk`), dequantized: v[i] = s * u_i + zeff. The codes are decoded
-// two per LOP3 + HFMA2 into exact fp16 integers (mma.cuh: the canonical word of "thread" q holds values 8q .. 8q + 7,
-// pair P = (8q + P, 8q + P + 4)) and widened to fp32, then the same FFMA as dequantize_groups: bit-identical to a
-// shift-mask-convert per value, in about half the instructions.
+// 32 codes of one packed block (its BITS words, already in registers), dequantized: v[i] = s * u_i + zeff. The codes
+// are decoded two per LOP3 + HFMA2 into exact fp16 integers (mma.cuh: the canonical word of "thread" q holds values
+// 8q .. 8q + 7, pair P = (8q + P, 8q + P + 4)) and widened to fp32, then the same FFMA as dequantize_groups:
+// bit-identical to a shift-mask-convert per value, in about half the instructions.
 template <int BITS>
-__device__ __forceinline__ void dequant_block(const uint32_t* __restrict__ blk, GroupAffine a, const DecodeConsts& kc,
+__device__ __forceinline__ void dequant_words(const uint32_t (&w)[16], GroupAffine a, const DecodeConsts& kc,
                                               float (&v)[32]) {
-  uint32_t w[BITS];
-#pragma unroll
-  for (int k = 0; k < BITS; ++k) w[k] = __ldg(blk + k);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const uint32_t X = gather_inner_q<BITS>(w, q);
@@ -135,81 +133,139 @@ __device__ __forceinline__ void dequant_block(const uint32_t* __restrict__ blk, 
   }
 }
 
-__device__ __forceinline__ void dequant_block_rt(int bits, const uint32_t* blk, GroupAffine a, const DecodeConsts& kc,
-                                                 float (&v)[32]) {
+__device__ __forceinline__ void dequant_words_rt(int bits, const uint32_t (&w)[16], GroupAffine a,
+                                                 const DecodeConsts& kc, float (&v)[32]) {
   switch (bits) {
-    case 1: dequant_block<1>(blk, a, kc, v); break;
-    case 2: dequant_block<2>(blk, a, kc, v); break;
-    case 3: dequant_block<3>(blk, a, kc, v); break;
-    default: dequant_block<4>(blk, a, kc, v); break;
+    case 1: dequant_words<1>(w, a, kc, v); break;
+    case 2: dequant_words<2>(w, a, kc, v); break;
+    case 3: dequant_words<3>(w, a, kc, v); break;
+    default: dequant_words<4>(w, a, kc, v); break;
   }
 }
 
-__device__ __forceinline__ GroupAffine affine_of(const Side& sd, int64_t srow, int64_t zrow, int64_t g) {
-  const uint16_t sb = __ldg(sd.scales + srow + g);
-  const uint16_t zb = sd.zeros != nullptr ? __ldg(sd.zeros + zrow + g) : uint16_t{0};
-  return group_affine_rt(sd.mode, sd.bits, sb, zb);
+// ---- staging: every global read of a thread's units first, their decode second ------------------------------------
+// A unit is 32 values of a tile: a "rows" unit 32 channels of one token (sink, store or tail, chosen per token), a
+// "cols" unit the 32 tokens of one channel (tiles wholly inside a cols store: one packed block, one scale / zero).
+// load_unit issues the unit's reads into registers and uses none of them; finish_unit decodes them into the tile. The
+// kernel loads all of a thread's units (keys and values) before it finishes any, so a tile waits for one memory
+// round trip. Loading and decoding each unit in turn waited for about four at head_dim 128 (a store unit's scale was
+// converted before its code words were requested, then the same for the value unit): the first GPU run measured
+// ~6 us per tile of this kernel (bench/RESULTS.md), about four DRAM latencies.
+enum class UnitKind : int { kZero, kWindow16, kWindow, kStore };
+
+// Where unit w (0 .. D-1) of the tile [j0, j0 + n) of a side reads: a cols unit (channel w) when the tile lies in a
+// cols store, else a rows unit (token j0 + w % 32, channels of block w / 32) of a window (sink or tail: src is its
+// first element; 16-byte aligned 16-bit windows, the caches' own, are read as 4 x 16 bytes) or of a rows store.
+// load_unit and finish_unit both derive it (a few integer operations), so that no pointer or kind is held in
+// registers while the reads are in flight.
+struct UnitSite {
+  UnitKind kind;
+  bool channel;
+  const char* src;                  // window units
+  const uint32_t* blk;              // store units: the packed block
+  int64_t sidx, zidx;               // store units: the group's scale and zero
+};
+
+template <int D>
+__device__ __forceinline__ UnitSite unit_site(const Side& sd, XDtype dt, int64_t S, uint32_t bpg_magic, int64_t j0,
+                                              int n, int w) {
+  UnitSite u{UnitKind::kZero, false, nullptr, nullptr, 0, 0};
+  if (sd.cols && j0 >= S && j0 < S + sd.m) {
+    const int64_t blk = (j0 - S) / 32;  // the store column j0 - S is a multiple of 32, inside one group of G
+    const int64_t g = block_group(static_cast<uint32_t>(blk), bpg_magic);
+    return UnitSite{UnitKind::kStore, true, nullptr, sd.codes + w * sd.c_sr + blk * sd.bits, w * sd.s_sr + g,
+                    w * sd.z_sr + g};
+  }
+  const int jj = w % kTile, cb = w / kTile;
+  const int64_t j = j0 + jj;
+  if (jj >= n) return u;
+  if (j < S || j >= S + sd.m) {  // window token: sink or tail
+    const bool sink = j < S;
+    const int64_t esz = dt == XDtype::kF32 ? 4 : 2;
+    u.src = (sink ? sd.sink : sd.tail) + ((sink ? j * sd.sink_st : (j - S - sd.m) * sd.tail_st) + 32 * cb) * esz;
+    u.kind = esz == 2 && reinterpret_cast<uintptr_t>(u.src) % 16 == 0 ? UnitKind::kWindow16 : UnitKind::kWindow;
+    return u;
+  }
+  const int64_t r = j - S;  // rows store token: one packed block, one group
+  const int64_t g = block_group(static_cast<uint32_t>(cb), bpg_magic);
+  return UnitSite{UnitKind::kStore, false, nullptr, sd.codes + r * sd.c_sr + static_cast<int64_t>(cb) * sd.bits,
+                  r * sd.s_sr + g, r * sd.z_sr + g};
 }
 
-// Token unit: channels [32 cb, 32 cb + 32) of token j (tile row jj; valid = jj < n) into tile row jj.
+// A unit's reads in flight: kWindow16 the 32 16-bit values, two per word (element 2k low); kStore the block's bits
+// words and the group's scale and zero bits. An fp32 or unaligned window unit (kWindow) reads at finish, element by
+// element (a second round trip; not the caches' layout).
+struct UnitLoad {
+  uint32_t w[16];
+  uint16_t sb, zb;
+};
+
 template <int D>
-__device__ __forceinline__ void stage_token_unit(const Side& sd, const DecodeConsts& kc, XDtype dt, int64_t S,
-                                                 uint32_t bpg_magic, int64_t j, bool valid,
-                                                 int cb, float* __restrict__ row) {
+__device__ __forceinline__ UnitLoad load_unit(const Side& sd, XDtype dt, int64_t S, uint32_t bpg_magic, int64_t j0, int n,
+                                              int w) {
+  const UnitSite site = unit_site<D>(sd, dt, S, bpg_magic, j0, n, w);
+  UnitLoad u;
+  u.sb = u.zb = 0;
+  if (site.kind == UnitKind::kStore) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) u.w[k] = k < sd.bits ? __ldg(site.blk + k) : 0u;  // predicated: issued together
+    u.sb = __ldg(sd.scales + site.sidx);
+    u.zb = sd.zeros != nullptr ? __ldg(sd.zeros + site.zidx) : uint16_t{0};
+  } else if (site.kind == UnitKind::kWindow16) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(site.src) + k);
+      u.w[4 * k] = q.x, u.w[4 * k + 1] = q.y, u.w[4 * k + 2] = q.z, u.w[4 * k + 3] = q.w;
+    }
+  }
+  return u;
+}
+
+// Decodes unit w of load_unit into the tile (token-major [32][D + 4] fp32): a cols unit's rows >= n get zeros; store
+// rows units are multiplied by key_x_scale (sd.xs) when the side has one.
+template <int D>
+__device__ __forceinline__ void finish_unit(const UnitLoad& u, const Side& sd, const DecodeConsts& kc, XDtype dt,
+                                            int64_t S, uint32_t bpg_magic, int64_t j0, int n, int w,
+                                            float* __restrict__ tile) {
+  const UnitSite site = unit_site<D>(sd, dt, S, bpg_magic, j0, n, w);
   float v[32];
-  const int c0 = 32 * cb;
-  if (!valid) {
+  if (site.kind == UnitKind::kStore) {
+    dequant_words_rt(sd.bits, u.w, group_affine_rt(sd.mode, sd.bits, u.sb, u.zb), kc, v);
+  } else if (site.kind == UnitKind::kWindow16) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      if (dt == XDtype::kF16) {
+        v[2 * k] = half_bits_to_float(static_cast<uint16_t>(u.w[k]));
+        v[2 * k + 1] = half_bits_to_float(static_cast<uint16_t>(u.w[k] >> 16));
+      } else {  // bf16: the high half of an fp32
+        v[2 * k] = __uint_as_float(u.w[k] << 16);
+        v[2 * k + 1] = __uint_as_float(u.w[k] & 0xffff0000u);
+      }
+    }
+  } else if (site.kind == UnitKind::kWindow) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = load_x(site.src, dt, i);
+  } else {
 #pragma unroll
     for (int i = 0; i < 32; ++i) v[i] = 0.f;
-  } else if (j < S || j >= S + sd.m) {  // window token: sink or tail
-    const bool sink = j < S;
-    const char* base = sink ? sd.sink : sd.tail;
-    const int64_t off = (sink ? j * sd.sink_st : (j - S - sd.m) * sd.tail_st) + c0;
+  }
+  if (site.channel) {
+    const float xs = sd.xs != nullptr ? sd.xs[w] : 1.f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = load_x(base, dt, off + i);
-  } else {  // "rows" store token: one packed block, one group
-    const int64_t r = j - S;
-    const GroupAffine a = affine_of(sd, r * sd.s_sr, r * sd.z_sr, block_group(cb, bpg_magic));
-    dequant_block_rt(sd.bits, sd.codes + r * sd.c_sr + static_cast<int64_t>(cb) * sd.bits, a, kc, v);
-    if (sd.xs != nullptr) {
+    for (int i = 0; i < 32; ++i) tile[i * tile_pitch(D) + w] = i < n ? v[i] * xs : 0.f;
+    return;
+  }
+  const int c0 = 32 * (w / kTile);
+  float* const row = tile + (w % kTile) * tile_pitch(D);
+  if (site.kind == UnitKind::kStore && sd.xs != nullptr) {
 #pragma unroll
-      for (int i = 0; i < 32; i += 4) {
-        const float4 x4 = *reinterpret_cast<const float4*>(sd.xs + c0 + i);
-        v[i] *= x4.x, v[i + 1] *= x4.y, v[i + 2] *= x4.z, v[i + 3] *= x4.w;
-      }
+    for (int i = 0; i < 32; i += 4) {
+      const float4 x4 = *reinterpret_cast<const float4*>(sd.xs + c0 + i);
+      v[i] *= x4.x, v[i + 1] *= x4.y, v[i + 2] *= x4.z, v[i + 3] *= x4.w;
     }
   }
 #pragma unroll
   for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(row + c0 + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-}
-
-// Channel unit of a tile wholly inside a "cols" store: tokens [j0, j0 + 32) of channel c (store column j0 - S, a
-// multiple of 32, inside one group of G); tile rows >= n get zeros.
-template <int D>
-__device__ __forceinline__ void stage_channel_unit(const Side& sd, const DecodeConsts& kc, int64_t col0, uint32_t bpg_magic,
-                                                   int n, int c,
-                                                   float* __restrict__ tile) {
-  float v[32];
-  const GroupAffine a = affine_of(sd, c * sd.s_sr, c * sd.z_sr, block_group(static_cast<uint32_t>(col0 / 32), bpg_magic));
-  dequant_block_rt(sd.bits, sd.codes + c * sd.c_sr + (col0 / 32) * sd.bits, a, kc, v);
-  const float xs = sd.xs != nullptr ? sd.xs[c] : 1.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) tile[i * tile_pitch(D) + c] = i < n ? v[i] * xs : 0.f;
-}
-
-// Unit w (0 .. D-1) of a tile: a channel unit when the tile lies in a "cols" store, else a token unit (token
-// w % 32, channels of block w / 32). The side is passed by value, never selected by reference (that would put
-// both sides in local memory).
-template <int D>
-__device__ __forceinline__ void stage_unit(const Side& sd, const DecodeConsts& kc, XDtype dt, int64_t S, uint32_t bpg_magic,
-                                           int64_t j0, int n, int w,
-                                           float* __restrict__ tile) {
-  if (sd.cols && j0 >= S && j0 < S + sd.m) {
-    stage_channel_unit<D>(sd, kc, j0 - S, bpg_magic, n, w, tile);
-  } else {
-    const int jj = w % kTile, cb = w / kTile;
-    stage_token_unit<D>(sd, kc, dt, S, bpg_magic, j0 + jj, jj < n, cb, tile + jj * tile_pitch(D));
-  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -230,9 +286,15 @@ struct AttnLaunch {
 };
 
 // min blocks 3 (<= 170 registers: 3 CTAs / SM, 132 KB of shared memory): with the thread count alone ptxas capped
-// D = 64 at 128 registers and spilled; with min blocks 1 it took 185 at D = 128 (2 CTAs / SM)
+// D = 64 at 128 registers and spilled; with min blocks 1 it took 185 at D = 128 (2 CTAs / SM). 16 query rows (4 a
+// warp, 16 accumulators a thread at D = 128; no preset's GQA x q_len needs more than 8) take min blocks 2: with a
+// thread's units' reads in flight together (load_unit) they spilled 24-32 bytes at 168.
+template <int D, int ROWS>
+constexpr int attn_min_blocks() { return ROWS > 8 ? 2 : 3; }
+
 template <int D, int ROWS, bool kDevLengths>
-__global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
+__global__ void __launch_bounds__(kThreads, attn_min_blocks<D, ROWS>())
+    decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
   static_assert(ROWS % kWarps == 0 && ROWS <= kMaxRows, "ROWS: 4, 8 or 16");
   constexpr int kRows = ROWS, kRowsPerWarp = ROWS / kWarps;
   extern __shared__ __align__(16) float smem[];
@@ -259,6 +321,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   // the head's key_x_scale, staged once (a token unit reads 32 of it as 8 float4 per tile)
   if (p.key_x_scale != nullptr)
     for (int c = tid; c < D; c += kThreads) xs_s[c] = __ldg(p.key_x_scale + hk * p.xs_sh + c);
+
   const Side sk = resolve(p.sink_k, p.tail_k, p.keys, cnt.mk, p.window_dtype, b, hk,
                           p.key_x_scale != nullptr ? xs_s : nullptr);
   const Side sv = resolve(p.sink_v, p.tail_v, p.values, cnt.mv, p.window_dtype, b, hk, nullptr);
@@ -305,18 +368,34 @@ __global__ void __launch_bounds__(kThreads, 3) decode_attention_kernel(const Dec
   float acc[kOut];
 #pragma unroll
   for (int k = 0; k < kOut; ++k) acc[k] = 0.f;
+  // the thread's staging units, unit tid + i * kThreads of the tile's 2D (keys 0 .. D-1, values D .. 2D-1); at D =
+  // kThreads its first is a key unit and its second a value unit at compile time
+  constexpr int kUnits = 2 * D / kThreads;
+  static_assert(2 * D % kThreads == 0, "head_dim: a whole number of staging units per thread");
+  const auto unit_is_key = [](int i, int t) { return D == kThreads ? i == 0 : t + i * kThreads < D; };
+  const auto unit_col = [](int i, int t) { return (t + i * kThreads) % D; };
   __syncthreads();  // xs_s is read by other threads' staging
 
   for (int64_t v0 = lo; v0 < hi;) {
     const int64_t v1 = v0 < S ? min(S, v0 + kTile) : min(hi, v0 + kTile);
     const int n = static_cast<int>(v1 - v0);
     const int64_t j0 = v0 < S ? v0 : v0 + F;  // the tile's first token
-    // (1) stage keys (units 0 .. D-1) and values (units D .. 2D-1); warp-uniform side
-    for (int u = tid; u < 2 * D; u += kThreads) {
-      if (u < D)
-        stage_unit<D>(sk, L.dec_k, p.window_dtype, S, L.bpg_magic, j0, n, u, ks);
+    // (1) stage keys (units 0 .. D-1) and values (units D .. 2D-1), warp-uniform side: every read of the thread's
+    // units issued before any is decoded (load_unit / finish_unit)
+    UnitLoad ld[kUnits];
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      if (unit_is_key(i, tid))
+        ld[i] = load_unit<D>(sk, p.window_dtype, S, L.bpg_magic, j0, n, unit_col(i, tid));
       else
-        stage_unit<D>(sv, L.dec_v, p.window_dtype, S, L.bpg_magic, j0, n, u - D, vs);
+        ld[i] = load_unit<D>(sv, p.window_dtype, S, L.bpg_magic, j0, n, unit_col(i, tid));
+    }
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      if (unit_is_key(i, tid))
+        finish_unit<D>(ld[i], sk, L.dec_k, p.window_dtype, S, L.bpg_magic, j0, n, unit_col(i, tid), ks);
+      else
+        finish_unit<D>(ld[i], sv, L.dec_v, p.window_dtype, S, L.bpg_magic, j0, n, unit_col(i, tid), vs);
     }
     __syncthreads();
     // (2) scores and the online softmax of the warp's rows

@@ -847,6 +847,7 @@ struct AttnCase {
   // zeros everywhere outside the used tokens, random codes; p.lengths holds the used counts. Must equal the exact form.
   bool dev_lengths = false;
   int64_t extra[5] = {3, 64, 5, 64, 7};
+  int windows_aligned = -1;  // 1: 16-byte aligned window rows, 0: misaligned (element offset 1), -1: every other case
 };
 
 struct AttnStoreBuf {
@@ -903,6 +904,9 @@ struct AttnWindowBuf {
   std::vector<char> buf;
   std::vector<float> exact;
   AttnWindow w{};
+  int64_t off = 1;  // element offset of the window's first element in buf / exact
+  // element (b, h, t, c) of the window, as an index into buf / exact
+  int64_t at(int64_t b, int64_t h, int64_t t, int64_t c) const { return off + b * w.sb + h * w.sh + t * w.st + c; }
 };
 
 // Device lengths: NaN in every scale / zero of a store outside its first `used` tokens (row padding included), and the
@@ -930,17 +934,24 @@ static void junk_window(AttnWindowBuf& wb, int64_t B, int64_t H, int64_t n_used,
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = n_used; t < wb.w.n; ++t)
-        for (int c = 0; c < D; ++c) store_x(wb.buf.data(), dt, 1 + b * wb.w.sb + h * wb.w.sh + t * wb.w.st + c, NAN, dummy);
+        for (int c = 0; c < D; ++c) store_x(wb.buf.data(), dt, wb.at(b, h, t, c), NAN, dummy);
 }
 
-// [B, H, n, D] of dtype dt with token stride D + 5, head stride n * (D + 5) + 7 (values in [-1, 1])
-static AttnWindowBuf make_window(int64_t B, int64_t H, int64_t n, int D, XDtype dt) {
+// [B, H, n, D] of dtype dt (values in [-1, 1]). Misaligned: token stride D + 5, head stride n * (D + 5) + 7, element
+// offset 1 (the general kernel reads such rows element by element). Aligned: every token row 16-byte aligned (token
+// stride D, head stride n * D + 8: the caches' windows, which the general kernel reads as 16-byte vectors when 16-bit).
+static AttnWindowBuf make_window(int64_t B, int64_t H, int64_t n, int D, XDtype dt, bool aligned) {
   AttnWindowBuf wb;
-  const int64_t st = D + 5, sh = n * st + 7, total = B * H * sh + 1;
+  const int64_t st = aligned ? D : D + 5, sh = aligned ? n * st + 8 : n * st + 7;
+  const int64_t pad = 16 / xsize(dt);  // room to align the first element
+  const int64_t total = B * H * sh + pad;
   wb.buf.assign(total * xsize(dt) + 16, 0);
   wb.exact.assign(total, 0.f);
   for (int64_t i = 0; i < total; ++i) store_x(wb.buf.data(), dt, i, frand(), wb.exact[i]);
-  wb.w.p = n ? wb.buf.data() + xsize(dt) : nullptr;  // element offset 1
+  const uintptr_t base = reinterpret_cast<uintptr_t>(wb.buf.data());
+  wb.off = aligned ? static_cast<int64_t>((16 - base % 16) % 16) / xsize(dt) : 1;
+  assert(!aligned || (base + wb.off * xsize(dt)) % 16 == 0);
+  wb.w.p = n ? wb.buf.data() + wb.off * xsize(dt) : nullptr;
   wb.w.n = n; wb.w.sb = H * sh; wb.w.sh = sh; wb.w.st = st;
   return wb;
 }
@@ -953,8 +964,12 @@ void attn_case(const AttnCase& a) {
   const bool dev = a.dev_lengths;
   const int64_t ex[5] = {dev ? a.extra[0] : 0, dev ? a.extra[1] : 0, dev ? a.extra[2] : 0, dev ? a.extra[3] : 0,
                          dev ? a.extra[4] : 0};
-  AttnWindowBuf sk = make_window(B, H_kv, S + ex[0], D, a.dt), sv = make_window(B, H_kv, S + ex[0], D, a.dt);
-  AttnWindowBuf tk = make_window(B, H_kv, a.ntk + ex[2], D, a.dt), tv = make_window(B, H_kv, ntv + ex[4], D, a.dt);
+  // windows: aligned in every other case unless the case says (both of the general kernel's window reads)
+  static int calls = 0;
+  const bool wal = a.windows_aligned < 0 ? (calls++ % 2 == 0) : a.windows_aligned == 1;
+  AttnWindowBuf sk = make_window(B, H_kv, S + ex[0], D, a.dt, wal), sv = make_window(B, H_kv, S + ex[0], D, a.dt, wal);
+  AttnWindowBuf tk = make_window(B, H_kv, a.ntk + ex[2], D, a.dt, wal);
+  AttnWindowBuf tv = make_window(B, H_kv, ntv + ex[4], D, a.dt, wal);
   AttnStoreBuf ks = make_store(B, H_kv, D, G, a.mk, a.kbits, a.kmode, a.klay, a.aligned);
   AttnStoreBuf vs = make_store(B, H_kv, D, G, a.mv, a.vbits, a.vmode, a.vlay, a.aligned);
   if (a.nan_key_token >= 0) {  // a NaN scale (a non-finite group): the rows reading (b 0, h_kv 0) must come out NaN
@@ -1042,14 +1057,14 @@ void attn_case(const AttnCase& a) {
         for (int c = 0; c < D; ++c) {
           double k, v;
           if (j < S) {
-            k = sk.exact[1 + b * sk.w.sb + hk * sk.w.sh + j * sk.w.st + c];
-            v = sv.exact[1 + b * sv.w.sb + hk * sv.w.sh + j * sv.w.st + c];
+            k = sk.exact[sk.at(b, hk, j, c)];
+            v = sv.exact[sv.at(b, hk, j, c)];
           } else {
             const bool tile = a.kivi_tiles && j - S < store_tile_tokens(a.mk, a.mv);
             if (j < S + a.mk) k = store_value(ks_used, G, b, hk, j - S, c, tile) * (a.xscale ? xsc.p[hk * xs_sh + c] : 1.0);
-            else k = tk.exact[1 + b * tk.w.sb + hk * tk.w.sh + (j - S - a.mk) * tk.w.st + c];
+            else k = tk.exact[tk.at(b, hk, j - S - a.mk, c)];
             if (j < S + a.mv) v = store_value(vs_used, G, b, hk, j - S, c, tile);
-            else v = tv.exact[1 + b * tv.w.sb + hk * tv.w.sh + (j - S - a.mv) * tv.w.st + c];
+            else v = tv.exact[tv.at(b, hk, j - S - a.mv, c)];
           }
           K[j * D + c] = k, V[j * D + c] = v;
         }
