@@ -329,7 +329,7 @@ inline AttentionSizes check_decode_attention_fused(
     const at::Tensor& value_tail, int64_t key_bits, const std::string& key_mode, const std::string& key_layout,
     int64_t value_bits, const std::string& value_mode, const std::string& value_layout, int64_t group_size,
     const std::optional<at::Tensor>& key_x_scale, const std::optional<at::Tensor>& attn_mask, int64_t split_tokens,
-    const std::optional<at::Tensor>& lengths) {
+    const std::optional<at::Tensor>& lengths, double q_scale, std::optional<at::ScalarType> out_dtype) {
   const char* op = "decode_attention_fused";
   check_defined(op, "x", x);
   check_defined(op, "sink_keys", sink_keys);
@@ -342,7 +342,7 @@ inline AttentionSizes check_decode_attention_fused(
   check_defined(op, "value_tail", value_tail);
   AttentionSizes z{};
   TORCH_CHECK_VALUE(x.dim() == 4, "kvkernels.", op, ": x must be [B, H_q, T, D], got shape ", x.sizes());
-  check_dtype(op, "x", x, at::kFloat);
+  check_activation(op, "x", x);
   check_last_dim_contiguous(op, "x", x);
   z.B = x.size(0), z.H_q = x.size(1), z.T = x.size(2), z.D = x.size(3);
   TORCH_CHECK_VALUE(sink_keys.dim() == 4, "kvkernels.", op, ": sink_keys must be [B, H_kv, S, D], got shape ",
@@ -398,6 +398,12 @@ inline AttentionSizes check_decode_attention_fused(
   TORCH_CHECK_VALUE(split_tokens >= 0 && split_tokens % group_size == 0, "kvkernels.", op,
                     ": split_tokens must be 0 (planned) or a positive multiple of group_size=", group_size, ", got ",
                     split_tokens);
+  TORCH_CHECK_VALUE(std::isfinite(q_scale), "kvkernels.", op, ": q_scale must be finite, got ", q_scale);
+  if (out_dtype.has_value()) {
+    const at::ScalarType o = *out_dtype;
+    TORCH_CHECK_TYPE(o == at::kHalf || o == at::kBFloat16 || o == at::kFloat, "kvkernels.", op,
+                     ": out_dtype must be float16 or bfloat16 or float32 (or None: float32), got ", dtype_name(o));
+  }
   return z;
 }
 

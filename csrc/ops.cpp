@@ -101,7 +101,7 @@ TORCH_LIBRARY(kvkernels, m) {
       "Tensor? key_zeros, Tensor value_codes, Tensor value_scales, Tensor? value_zeros, Tensor key_tail, "
       "Tensor value_tail, int key_bits, str key_mode, str key_layout, int value_bits, str value_mode, "
       "str value_layout, int group_size, Tensor? key_x_scale=None, Tensor? attn_mask=None, int split_tokens=0, "
-      "Tensor? lengths=None) -> Tensor");
+      "Tensor? lengths=None, float q_scale=1., ScalarType? out_dtype=None) -> Tensor");
   // One decode step's append into a static cache: decode_attention_fused's lengths= operands as capacity buffers,
   // written in place (kvkernels/reference/static_append.py is the spec). k, v [B, H_kv, n, D] in the windows' dtype:
   // the first tokens fill the sink while it has room, the others join the tails, and each tail's oldest tokens past

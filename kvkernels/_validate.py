@@ -5,6 +5,7 @@ Only metadata is inspected (no device sync), so the checks are free to run on ev
 """
 
 import itertools
+import math
 
 import torch
 
@@ -610,7 +611,7 @@ def _check_store(op: str, tensor: str, codes, scales, zeros, bits, mode, layout,
 def check_decode_attention_fused(
     x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
     key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
-    key_x_scale=None, attn_mask=None, split_tokens=0, lengths=None,
+    key_x_scale=None, attn_mask=None, split_tokens=0, lengths=None, q_scale=1.0, out_dtype=None,
 ) -> None:  # fmt: skip
     op = "decode_attention_fused"
     check_tensors(
@@ -619,7 +620,7 @@ def check_decode_attention_fused(
     )  # fmt: skip
     if x.dim() != 4:
         _fail(op, f"x must be [B, H_q, T, D], got shape {list(x.shape)}")
-    check_dtype(op, "x", x, torch.float32)
+    check_dtype(op, "x", x, FLOAT_ACTIVATIONS)
     check_last_dim_contiguous(op, "x", x)
     B, H_q, T, D = x.shape
     if sink_keys.dim() != 4:
@@ -701,6 +702,12 @@ def check_decode_attention_fused(
         key_zeros=key_zeros, value_codes=value_codes, value_scales=value_scales, value_zeros=value_zeros,
         key_tail=key_tail, value_tail=value_tail, key_x_scale=key_x_scale, attn_mask=attn_mask, lengths=lengths,
     )  # fmt: skip
+    if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not math.isfinite(q_scale):
+        _fail(op, f"q_scale must be finite, got {q_scale!r}")
+    if out_dtype is not None and out_dtype not in FLOAT_ACTIVATIONS:
+        names = " or ".join(str(a).removeprefix("torch.") for a in FLOAT_ACTIVATIONS)
+        got = str(out_dtype).removeprefix("torch.")
+        _fail(op, f"out_dtype must be {names} (or None: float32), got {got}", TypeError)
 
 
 def check_static_append(

@@ -176,13 +176,15 @@ def decode_attention(
         raise ValueError(f"q is on {q.device} but the cache is on {cache.device}")
     B, H_q, T, D = q.shape
     scale = D**-0.5 if scale is None else float(scale)
-    x = q.to(torch.float32) * scale  # [B, H_q, T, D]
 
     operands = use_fused_op(q, cache, fused_op)
     if operands is not None:
         mask = _additive_mask(attn_mask, B, H_q, T, N)
-        return ops.decode_attention_fused(x, **operands, attn_mask=mask).to(q.dtype)
+        # the op scales q in fp32 and returns q.dtype: the same arithmetic as q.to(fp32) * scale in, .to(q.dtype) out,
+        # without those three elementwise kernels around it
+        return ops.decode_attention_fused(q, **operands, attn_mask=mask, q_scale=scale, out_dtype=q.dtype)
 
+    x = q.to(torch.float32) * scale  # [B, H_q, T, D]
     scores = torch.cat(
         [
             _grouped_matmul(x, cache.sink_keys.to(torch.float32).transpose(2, 3)),

@@ -256,8 +256,9 @@ def _register_fakes() -> None:
         return prev.new_empty((prev.shape[0], weight.shape[0]), dtype=torch.float32)
 
     @fake("decode_attention_fused")
-    def _(x, *args, **kwargs):
-        return x.new_empty(x.shape, dtype=torch.float32)
+    def _(x, sk, sv, kc, ks, kz, vc, vs, vz, kt, vt, kb, km, kl, vb, vm, vl, g, kxs=None, mask=None, split=0,
+          lengths=None, q_scale=1.0, out_dtype=None):  # fmt: skip
+        return x.new_empty(x.shape, dtype=out_dtype or torch.float32)
 
     @fake("static_append")
     def _(*args, **kwargs):
@@ -579,10 +580,16 @@ def decode_attention_fused(
     attn_mask: torch.Tensor | None = None,
     split_tokens: int = 0,
     lengths: torch.Tensor | None = None,
+    q_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """softmax(x K^T + mask) V over one layer's sink | quantized store | tail, in one op: fp32 [B, H_q, T, D].
+    """softmax(x' K^T + mask) V over one layer's sink | quantized store | tail, in one op: [B, H_q, T, D].
 
-    x fp32 [B, H_q, T, D] is q times the softmax scale; sink_* [B, H_kv, S, D] and *_tail [B, H_kv, n, D] share one
+    x [B, H_q, T, D] (fp16, bf16 or fp32) are the queries and q_scale the softmax scale: the scores take x' =
+    x.to(fp32) * q_scale (one fp32 multiply); the result is computed in fp32 and returned in out_dtype (None: fp32;
+    fp16 / bf16: rounded once to nearest). kvkernels.decode_attention passes q, its scale and q.dtype, which is
+    bit-identical to passing q.to(fp32) * scale and converting the fp32 result, in three fewer elementwise kernels.
+    sink_* [B, H_kv, S, D] and *_tail [B, H_kv, n, D] share one
     float dtype; each store is codes / scales / zeros in layout "rows" (token-major, groups along channels) or
     "cols" (channel-major, groups along tokens), with stored keys = K / key_x_scale when key_x_scale [H_kv, D] is
     given. attn_mask: additive fp32 [B|1, H_q|1, T, N], None = causal among the last T tokens. split_tokens: tokens
@@ -598,7 +605,7 @@ def decode_attention_fused(
     args = (
         x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
         key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
-        key_x_scale, attn_mask, split_tokens, lengths,
+        key_x_scale, attn_mask, split_tokens, lengths, q_scale, out_dtype,
     )  # fmt: skip
     V.check_decode_attention_fused(*args)
     return torch.ops.kvkernels.decode_attention_fused.default(*args)

@@ -272,14 +272,13 @@ class StaticLayerCache:
             raise ValueError(f"q is on {q.device} but the cache is on {self.device}")
         B, H_q, T, D = q.shape
         scale = D**-0.5 if scale is None else float(scale)
-        x = q.to(torch.float32) * scale
         kw = self.fused_attention_operands()
         mask = self._mask(attn_mask, B, H_q, T)
         # where the serving kernel does not take this head_dim the reference runs it: plain torch ops, capturable
         # too, but it dequantizes the whole capacity every step
         fast = ops.fused_attention_takes(q.device, D)
         op = ops.decode_attention_fused if fast else reference.decode_attention_fused
-        return op(x, **kw, attn_mask=mask).to(q.dtype)
+        return op(q, **kw, attn_mask=mask, q_scale=scale, out_dtype=q.dtype)  # q.to(fp32) * scale in, q.dtype out
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full (K, V) [B, H_kv, N, D] in fp32, as QuantizedLayerCache.dequantized (reads the device)."""

@@ -164,7 +164,10 @@ def _bad_cases():
 
     N = kw["sink_keys"].shape[2] + kw["key_codes"].shape[2] + kw["key_tail"].shape[2]
     return {
-        "x half": ((x.half(), kw), TypeError, "x must be float32"),
+        "x int": ((x.to(torch.int32), kw), TypeError, "x must be float16 or bfloat16 or float32"),
+        "q_scale nan": (with_(q_scale=float("nan")), ValueError, "q_scale must be finite"),
+        "q_scale inf": (with_(q_scale=float("inf")), ValueError, "q_scale must be finite"),
+        "out_dtype": (with_(out_dtype=torch.int32), TypeError, "out_dtype must be float16 or bfloat16 or float32"),
         "x 3-D": ((x[:, :, 0], kw), ValueError, r"x must be \[B, H_q, T, D\]"),
         "heads": ((x[:, :3], kw), ValueError, "multiple of KV heads"),
         "tail dtype": (with_(key_tail=kw["key_tail"].float()), TypeError, "key_tail must be float16"),
@@ -193,15 +196,39 @@ def test_bad_arguments_raise_on_every_entry_point(case, entry):
         fn(x, **kw)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("lengths", [False, True])
 @pytest.mark.parametrize("mask", [False, True])
-def test_opcheck(mask, lengths):
+def test_opcheck(mask, lengths, scaled):
     x, kw = _op_args(mask=mask)
     if lengths:
         kw, kw["lengths"] = with_capacity(kw)
+    if scaled:  # the queries in bf16 with their scale, the result in bf16
+        x, kw["q_scale"], kw["out_dtype"] = x.bfloat16(), 0.125, torch.bfloat16
+    defaults = {"split_tokens": 0, "q_scale": 1.0}
     names = [a.name for a in torch.ops.kvkernels.decode_attention_fused.default._schema.arguments]
-    args = tuple(x if n == "x" else 0 if n == "split_tokens" else kw.get(n) for n in names)
+    args = tuple(x if n == "x" else kw.get(n, defaults.get(n)) for n in names)
     torch.library.opcheck(torch.ops.kvkernels.decode_attention_fused.default, args)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_q_scale_and_out_dtype_are_the_conversions_around_the_op(x_dtype, out_dtype):
+    # op(q, q_scale=s, out_dtype=o) is op(q.to(fp32) * s).to(o), bit for bit: the arithmetic decode_attention ran
+    # around the op before it took them (one fp32 multiply in, one rounding out)
+    x, kw = _op_args(mask=True)
+    q, s = (x * 3).to(x_dtype), 0.0883883476
+    want = reference.decode_attention_fused(q.to(torch.float32) * s, **kw)
+    want = want if out_dtype is None else want.to(out_dtype)
+    for fn in (ops.decode_attention_fused, torch.ops.kvkernels.decode_attention_fused):
+        got = fn(q, **kw, q_scale=s, out_dtype=out_dtype)
+        assert got.dtype == (out_dtype or torch.float32) and torch.equal(got, want)
+    # the lengths form sums in another order: equal up to fp32 rounding, plus one ulp of the output dtype
+    padded, lengths = with_capacity(kw)
+    got = ops.decode_attention_fused(q, **padded, lengths=lengths, q_scale=s, out_dtype=out_dtype)
+    tol = {torch.float16: 2**-10, torch.bfloat16: 2**-7}.get(out_dtype, 1e-6)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-6)
 
 
 # ---- device-side lengths (static caches, CUDA graphs) --------------------------------------------------------------
@@ -313,6 +340,31 @@ def test_cuda_default_path_equals_composed(preset, D):
     for m in (None, mask):
         want = c.attention(q, attn_mask=m, fused_op=False).float()
         torch.testing.assert_close(c.attention(q, attn_mask=m).float(), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("out_dtype", [None, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2"])
+def test_cuda_q_scale_and_out_dtype(preset, x_dtype, out_dtype):
+    # the CUDA op (store tiles, general kernel, merge) with q in any float dtype, its scale and the output dtype,
+    # against its own fp32 form rounded once: the scale is one fp32 multiply where the queries are staged, the
+    # output one rounding where it is written (the merge's or the single split's), so the two agree to the output
+    # dtype's half ulp; single split (40 tokens) and many (700: the store tiles run)
+    g = torch.Generator().manual_seed(12)
+    for n in (40, 700):
+        c = make_layer_cache(PRESETS[preset], 1, 2, 128, capacity=64, device="cuda", dtype=torch.float16)
+        c.prefill(
+            torch.randn(1, 2, n, 128, generator=g).half().cuda(), torch.randn(1, 2, n, 128, generator=g).half().cuda()
+        )
+        kw = c.fused_attention_operands()
+        q = (torch.randn(1, 8, 2, 128, generator=g) * 4).to(x_dtype).cuda()
+        want = ops.decode_attention_fused(q.float() * 128**-0.5, **kw)
+        got = ops.decode_attention_fused(q, **kw, q_scale=128**-0.5, out_dtype=out_dtype)
+        assert got.dtype == (out_dtype or torch.float32)
+        ulp = {torch.float16: 2**-11, torch.bfloat16: 2**-8}.get(out_dtype, 0.0)
+        tol = (1e-5 + ulp) * want.abs() + 1e-6
+        assert ((got.float() - want).abs() <= tol).all(), (n, (got.float() - want).abs().max().item())
 
 
 def test_which_kernel_takes_a_call(monkeypatch):

@@ -180,9 +180,9 @@ def _attention_opcheck_cases():
     c.prefill(torch.randn(1, 2, 170, 64, generator=g).half(), torch.randn(1, 2, 170, 64, generator=g).half())
     kw = c.fused_attention_operands()
     names = [a.name for a in torch.ops.kvkernels.decode_attention_fused.default._schema.arguments]
-    x = torch.randn(1, 4, 2, 64, generator=g)
+    x = torch.randn(1, 4, 2, 64, generator=g).half()  # q itself, scaled in the op, the result in fp16
     mask = torch.randn(1, 1, 2, c.seq_len, generator=g)
-    fixed = {"x": x, "attn_mask": mask, "split_tokens": 0, "lengths": None}
+    fixed = {"x": x, "attn_mask": mask, "split_tokens": 0, "lengths": None, "q_scale": 0.125, "out_dtype": x.dtype}
     args = tuple(fixed[n] if n in fixed else kw[n] for n in names)
     return {"decode_attention_fused": (torch.ops.kvkernels.decode_attention_fused.default, args)}
 

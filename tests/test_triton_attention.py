@@ -180,6 +180,25 @@ def test_decode_attention_fused(name):
         assert torch.equal(y, y2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_q_scale_and_out_dtype(dtype):
+    """q in fp16 / bf16 with its softmax scale, the result in q's dtype (as kvkernels.decode_attention calls it):
+    the fp32 path's result rounded once, up to the fp32 path's own tolerance. Two chunks, so both the direct write
+    and the merge's write take the output dtype."""
+    name = "innerq-k3sym-v2hyb-xs-S5-T3-gqa3-fp32-causal-splitG"
+    x, args, N, _, _ = _case_inputs(name)
+    q, s = (x * 8).to(dtype), 0.125
+    for split in (32, 1024):
+        want = reference.decode_attention_fused(q.to(torch.float32) * s, **args, split_tokens=split)
+        y = tk.decode_attention_fused(q.to(DEVICE), **{k: v for k, v in args.items()}, split_tokens=split,
+                                      q_scale=s, out_dtype=dtype)  # fmt: skip
+        assert y.dtype == dtype
+        y, want = y.cpu().float(), want.cpu()
+        ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)  # half an ulp: the one rounding of the output
+        tol = (RTOL + ulp) * want.abs() + ATOL * _values(args).abs().max()
+        assert ((y - want).abs() <= tol).all(), f"max |diff| {(y - want).abs().max():.3g}"
+
+
 def test_split_tokens_change_rounding_only():
     """One case under every chunking: G, 2G, 3G, planned, one chunk holding everything."""
     name = "innerq-k3sym-v2hyb-xs-S5-T3-gqa3-fp32-causal-splitG"

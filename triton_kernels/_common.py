@@ -31,6 +31,20 @@ MIN_ITERS_PER_SPLIT = 2
 
 
 @triton.jit
+def store_rounded(ptrs, v, mask):
+    """Stores fp32 v at ptrs in their element type, rounded to nearest even as torch's .to() rounds. bf16 is rounded
+    by hand: TRITON_INTERPRET=1's implicit and explicit fp32 -> bf16 casts truncate (triton 3.9); fp16 casts round to
+    nearest everywhere, fp32 stores as is. NaN stays NaN, overflow goes to inf."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        r = bits + 0x7FFF + ((bits >> 16) & 1)
+        r = tl.where(v != v, 0x7FC00000, r)
+        tl.store(ptrs, (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def unpack_blocks(word0_ptrs, mask, BITS: tl.constexpr):
     """Codes of whole 32-value blocks. word0_ptrs: int32 pointers [A, NB] to word 0 of each block -> [A, NB, 32].
 

@@ -22,6 +22,8 @@ uniformly (every score rounds to finfo.min), as in the reference; a row masked t
 in the reference.
 """
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -35,10 +37,18 @@ from ._common import (
     group_affine,
     next_pow2,
     num_splits,
+    store_rounded,
     unpack_tile,
 )
 
 _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
+
+
+def _fp32(v: float) -> float:
+    """v rounded to fp32 (as the reference's fp32 multiply takes a Python float): the kernel's immediate, exact."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 # Query rows per program (the M side of both dots; more rows take several row blocks) and warps: the fp32 tiles
 # ([D, BN] keys and values, [RB, D] output) need 8 warps and 16 rows at D = 128 to stay out of local memory on
 # sm_80 / sm_90 (tests/triton_aot/compile_check.py); 32 rows with a mask spilled there.
@@ -135,7 +145,7 @@ def _kv_tile(j0, valid, S, m, D, sink_ptr, sink_base, s_sink, codes_ptr, scales_
 @triton.jit
 def _attention_split_kernel(
     # pointers
-    x_ptr,  # fp32 [B, H_q, T, D]
+    x_ptr,  # fp16 / bf16 / fp32 [B, H_q, T, D]: the queries, read as x * q_scale in fp32
     sk_ptr,  # window dtype [B, H_kv, S, D]
     sv_ptr,
     kc_ptr,  # int32 key store codes (rows [B, H_kv, mk, D*b/32] or cols [B, H_kv, D, mk*b/32])
@@ -149,7 +159,7 @@ def _attention_split_kernel(
     xs_ptr,  # fp32 [H_kv, D] (unused unless HAS_XS)
     mask_ptr,  # fp32 [B|1, H_q|1, T, N] (unused unless HAS_MASK)
     len_ptr,  # int64 [5] tokens used of sink, key store, key tail, value store, value tail (unused unless HAS_LEN)
-    out_ptr,  # fp32 [B * H_q * T, D] (one split) or the workspace o [splits, B * H_q * T, D]
+    out_ptr,  # out [B * H_q * T, D] in its dtype (one split; the store rounds) or the fp32 workspace o [splits, ...]
     m_ptr,  # fp32 [splits, B * H_q * T] (unused for one split)
     l_ptr,
     # sizes
@@ -193,6 +203,9 @@ def _attention_split_kernel(
     HAS_MASK: tl.constexpr,
     HAS_LEN: tl.constexpr,  # device lengths: the counts come from len_ptr, each clamped into its buffer
     SPLIT: tl.constexpr,  # several splits: write (m, l, o) partials, else the normalized output
+    # the softmax scale, x times it in fp32 (1: x as loaded). A compile-time immediate: one model has one scale, and
+    # as a runtime argument it cost D = 64's split kernel a register it did not have (24 B of spills at 255)
+    Q_SCALE: tl.constexpr,
     RB: tl.constexpr,  # query rows per program, >= 16
     BN: tl.constexpr,  # tokens per tile, a multiple of 32 dividing GROUP
     DP: tl.constexpr,  # next_pow2(D), >= 32
@@ -218,6 +231,9 @@ def _attention_split_kernel(
     c_ok = c < D
     x_rows = b * sx_b + h_q * sx_h + t * sx_t  # [RB] int64
     x = tl.load(x_ptr + x_rows[:, None] + c[None, :], mask=q_ok[:, None] & c_ok[None, :], other=0.0)  # [RB, DP]
+    x = x.to(tl.float32)
+    if Q_SCALE != 1.0:
+        x = x * Q_SCALE
     if HAS_XS:
         xs = tl.load(xs_ptr + h_kv * sxs_h + c, mask=c_ok, other=0.0)
     else:
@@ -284,7 +300,7 @@ def _attention_split_kernel(
         tl.store(l_ptr + ws, l_i, mask=q_ok)
     else:
         den = tl.where(q_ok, l_i, 1.0)  # padding rows (a real row with l 0 is NaN, as in the reference)
-        tl.store(out_ptr + row[:, None] * D + c[None, :], acc / den[:, None], mask=o_mask)
+        store_rounded(out_ptr + row[:, None] * D + c[None, :], acc / den[:, None], o_mask)
 
 
 @triton.jit
@@ -314,7 +330,7 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, n_rows, o_split, n_splits, D, BR
         lp += n_rows
         op += o_split
     den = tl.where(r_ok, den, 1.0)  # padding rows (a real row with den 0 is NaN, as in the reference)
-    tl.store(out_ptr + r64[:, None] * D + c[None, :], num / den[:, None], mask=o_mask)
+    store_rounded(out_ptr + r64[:, None] * D + c[None, :], num / den[:, None], o_mask)
 
 
 def tile_tokens(group_size: int, head_dim: int) -> int:
@@ -357,14 +373,17 @@ def decode_attention_fused(
     attn_mask: torch.Tensor | None = None,
     split_tokens: int = 0,
     lengths: torch.Tensor | None = None,
+    q_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """softmax(x K^T + mask) V over one layer's sink | quantized store | tail: fp32 [B, H_q, T, D] (module
-    docstring; spec kvkernels/reference/attention.py). lengths= (int64 [5] on the device): the parts are capacity
-    buffers, each program reads the counts, and the launch depends on the capacities alone (CUDA-graph replayable)."""
+    """softmax(x' K^T + mask) V over one layer's sink | quantized store | tail, x' = x.to(fp32) * q_scale: [B, H_q,
+    T, D] in out_dtype (default fp32; module docstring; spec kvkernels/reference/attention.py). lengths= (int64 [5]
+    on the device): the parts are capacity buffers, each program reads the counts, and the launch depends on the
+    capacities alone (CUDA-graph replayable)."""
     args = (
         x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros,
         key_tail, value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size,
-        key_x_scale, attn_mask, split_tokens, lengths,
+        key_x_scale, attn_mask, split_tokens, lengths, q_scale, out_dtype,
     )  # fmt: skip
     _validate.check_decode_attention_fused(*args)
     check_device("decode_attention_fused", x)
@@ -375,8 +394,9 @@ def decode_attention_fused(
     lk, lv = key_tail.shape[2], value_tail.shape[2]
     # with lengths these are capacities and N the most tokens the buffers hold: the plan below depends on them alone
     N = S + min(mk + lk, mv + lv)
+    odt = out_dtype or torch.float32
     if B * H_q * T * D == 0:
-        return torch.zeros((B, H_q, T, D), dtype=torch.float32, device=x.device)
+        return torch.zeros((B, H_q, T, D), dtype=odt, device=x.device)
 
     R = (H_q // H_kv) * T
     rb = min(MAX_ROWS, max(16, next_pow2(R)))
@@ -390,7 +410,7 @@ def decode_attention_fused(
     splits = max(1, triton.cdiv(rest, per_split))
     n_rows = B * H_q * T
 
-    out = torch.empty((B, H_q, T, D), dtype=torch.float32, device=x.device)
+    out = torch.empty((B, H_q, T, D), dtype=odt, device=x.device)
     if splits > 1:
         o_ws = torch.empty((splits, n_rows, D), dtype=torch.float32, device=x.device)
         m_ws = torch.empty((splits, n_rows), dtype=torch.float32, device=x.device)
@@ -423,7 +443,7 @@ def decode_attention_fused(
             VBITS=value_bits, VMODE=_MODES[value_mode], VCOLS=value_layout == "cols",
             GROUP=group_size, HAS_XS=key_x_scale is not None, HAS_MASK=attn_mask is not None,
             HAS_LEN=lengths is not None,
-            SPLIT=splits > 1, RB=rb, BN=bn, DP=dp, PREC=DOT_PRECISION,
+            SPLIT=splits > 1, RB=rb, BN=bn, DP=dp, PREC=DOT_PRECISION, Q_SCALE=_fp32(q_scale),
             num_warps=NUM_WARPS,
         )  # fmt: skip
         if splits > 1:

@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, attn_min_blocks<D, ROWS>())
     if (r < nr) {
       const int q = r0 + r;
       const int64_t h = hk * L.gq + q / T, t = q % T;
-      v = __ldg(p.x + b * p.x_sb + h * p.x_sh + t * p.x_st + c);
+      v = load_x(p.x, p.x_dtype, b * p.x_sb + h * p.x_sh + t * p.x_st + c) * p.q_scale;
     }
     xq[i] = v;
   }
@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, attn_min_blocks<D, ROWS>())
     const int q = r0 + r;
     const int64_t h = hk * L.gq + q / T, t = q % T;
     if (L.direct) {
-      p.out[b * p.o_sb + h * p.o_sh + t * p.o_st + c_own] = acc[k] / l_s[r];
+      store_act(p.out, p.out_dtype, b * p.o_sb + h * p.o_sh + t * p.o_st + c_own, acc[k] / l_s[r]);
     } else {
       float* w = partial_row(p, L.split_base + split, b, h, t);
       w[c_own] = acc[k];
@@ -495,7 +495,8 @@ __global__ void __launch_bounds__(kThreads, attn_min_blocks<D, ROWS>())
 // Log-sum-exp merge of the splits' partials, in split order: one CTA per output row (b, h, t), one thread per
 // channel. A split whose row saw only -inf scores (m = -inf, l = 0) weighs 0.
 __global__ void merge_splits_kernel(const float* __restrict__ ws, int splits, int64_t rows, int D, int H_q, int T,
-                                    float* __restrict__ out, int64_t o_sb, int64_t o_sh, int64_t o_st) {
+                                    void* __restrict__ out, XDtype out_dtype, int64_t o_sb, int64_t o_sh,
+                                    int64_t o_st) {
   const int64_t q = blockIdx.x;  // (b * H_q + h) * T + t
   const int c = threadIdx.x;
   const int64_t t = q % T, h = (q / T) % H_q, b = q / (static_cast<int64_t>(T) * H_q);
@@ -511,7 +512,7 @@ __global__ void merge_splits_kernel(const float* __restrict__ ws, int splits, in
     num = fmaf(e, w[s * stride + c], num);
     den = fmaf(e, w[s * stride + D + 1], den);
   }
-  out[b * o_sb + h * o_sh + t * o_st + c] = num / den;
+  store_act(out, out_dtype, b * o_sb + h * o_sh + t * o_st + c, num / den);
 }
 
 using AttnKernel = void (*)(const DecodeAttentionParams, const AttnLaunch);
@@ -703,7 +704,7 @@ cudaError_t launch_decode_attention_fused(const DecodeAttentionParams& p, cudaSt
     const int64_t rows = p.B * p.H_q * p.T;
     merge_splits_kernel<<<static_cast<unsigned>(rows), p.D, 0, stream>>>(
         p.workspace, pl.total_splits, rows, p.D, static_cast<int>(p.H_q), static_cast<int>(p.T), p.out,
-        p.o_sb, p.o_sh, p.o_st);
+        p.out_dtype, p.o_sb, p.o_sh, p.o_st);
     err = cudaGetLastError();
   }
   return err;

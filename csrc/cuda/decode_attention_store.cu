@@ -209,8 +209,8 @@ __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows,
   return m;
 }
 
-// q' = x * key_x_scale of the CTA's query rows r0 .. r0 + nr - 1 into qs [QR][D] (rows past nr: 0), each row scaled by
-// 2^e so that max |q'| lies in [2^14, 2^15); unscale_s [QR] gets 2^-e. One warp per row.
+// q' = (x * q_scale) * key_x_scale of the CTA's query rows r0 .. r0 + nr - 1 into qs [QR][D] (rows past nr: 0), each
+// row scaled by 2^e so that max |q'| lies in [2^14, 2^15); unscale_s [QR] gets 2^-e. One warp per row.
 template <int D, int QR>
 __device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, const StoreTilesLaunch& L, const TileCta& c,
                                               float* qs, float* unscale_s, int warp, int lane) {
@@ -220,14 +220,17 @@ __device__ __forceinline__ void stage_queries(const DecodeAttentionParams& p, co
   for (int r = warp; r < QR; r += kWarps) {
     const int q = r0 + min(r, nr - 1);
     const int64_t h = hk * L.gq + q / T, tq = q % T;
-    const float* xr = p.x + b * p.x_sb + h * p.x_sh + tq * p.x_st;
+    const int64_t xr = b * p.x_sb + h * p.x_sh + tq * p.x_st;
     float v[NB];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
       const int ch = lane + 32 * i;
       v[i] = 0.f;
-      if (r < nr) v[i] = p.key_x_scale != nullptr ? __ldg(xr + ch) * __ldg(p.key_x_scale + hk * p.xs_sh + ch) : __ldg(xr + ch);
+      if (r < nr) {
+        v[i] = load_x(p.x, p.x_dtype, xr + ch) * p.q_scale;
+        if (p.key_x_scale != nullptr) v[i] *= __ldg(p.key_x_scale + hk * p.xs_sh + ch);
+      }
       amax = nan_max(amax, fabsf(v[i]));
     }
     const int e = scale_exponent(warp_max(amax));

@@ -235,14 +235,17 @@ struct AttnStore {
 };
 
 struct DecodeAttentionParams {
-  const float* x;             // [B, H_q, T, D] fp32, queries times the softmax scale
+  const void* x;              // [B, H_q, T, D] in x_dtype: the queries; the kernels read x * q_scale in fp32
+  XDtype x_dtype;
+  float q_scale;              // the softmax scale (x is q_scale-times the queries the scores take)
   AttnWindow sink_k, sink_v;  // [B, H_kv, S, D] (same S)
   AttnWindow tail_k, tail_v;  // [B, H_kv, N - S - m, D]
   AttnStore keys, values;     // the quantized stores (keys.m != values.m allowed)
   XDtype window_dtype;        // dtype of the four windows
   const float* key_x_scale;   // [H_kv, D]: stored keys are K / key_x_scale (the store's keys are deq * it); or nullptr
   const float* mask;          // additive fp32 [B|1, H_q|1, T, N], or nullptr = causal among the last T tokens
-  float* out;                 // [B, H_q, T, D] fp32
+  void* out;                  // [B, H_q, T, D] in out_dtype: the fp32 result rounded once (to nearest)
+  XDtype out_dtype;
   float* workspace;           // split partials, >= decode_attention_workspace_floats(*this) floats (nullptr if 0)
   int64_t workspace_floats;   // size of `workspace`, checked by the launcher
   int64_t B, H_q, H_kv, T, N;  // N = S + keys.m + tail_k.n = S + values.m + tail_v.n (lengths: below)

@@ -805,12 +805,13 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
                                   const std::string& value_mode, const std::string& value_layout,
                                   int64_t group_size, const std::optional<at::Tensor>& key_x_scale,
                                   const std::optional<at::Tensor>& attn_mask, int64_t split_tokens,
-                                  const std::optional<at::Tensor>& lengths) {
+                                  const std::optional<at::Tensor>& lengths, double q_scale,
+                                  std::optional<at::ScalarType> out_dtype) {
   const char* op = "decode_attention_fused";
   const AttentionSizes z = check_decode_attention_fused(
       x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
       value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size, key_x_scale,
-      attn_mask, split_tokens, lengths);
+      attn_mask, split_tokens, lengths, q_scale, out_dtype);
   const at::Device device = x.device();
   check_cuda(op, "x", x, device);
   check_cache_operands_on(op, device, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes,
@@ -822,11 +823,13 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
                     z.D, "; kvkernels.reference.decode_attention_fused computes any head_dim");
 
   const c10::cuda::CUDAGuard device_guard(device);
-  at::Tensor out = at::empty({z.B, z.H_q, z.T, z.D}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({z.B, z.H_q, z.T, z.D}, x.options().dtype(out_dtype.value_or(at::kFloat)));
   if (out.numel() == 0) return out;
 
   kvk::DecodeAttentionParams p{};
-  p.x = x.const_data_ptr<float>();
+  p.x = x.const_data_ptr();
+  p.x_dtype = activation_dtype(op, "x", x);
+  p.q_scale = static_cast<float>(q_scale);
   p.sink_k = attention_window(sink_keys);
   p.sink_v = attention_window(sink_values);
   p.tail_k = attention_window(key_tail);
@@ -843,7 +846,8 @@ at::Tensor decode_attention_fused(const at::Tensor& x, const at::Tensor& sink_ke
     p.m_sh = m.size(1) == 1 ? 0 : m.stride(1);
     p.m_st = m.stride(2);
   }
-  p.out = out.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_dtype = activation_dtype(op, "out", out);
   p.B = z.B, p.H_q = z.H_q, p.H_kv = z.H_kv, p.T = z.T, p.N = z.N;
   p.D = static_cast<int>(z.D);
   p.group_size = static_cast<int>(group_size);

@@ -151,6 +151,15 @@ __device__ __forceinline__ float load_x(const void* x, XDtype dt, int64_t i) {
   }
 }
 
+// Element i of an output buffer of runtime dtype: v rounded to nearest (as torch's .to()), or stored as is (fp32).
+__device__ __forceinline__ void store_act(void* y, XDtype dt, int64_t i, float v) {
+  switch (dt) {
+    case XDtype::kF16: static_cast<__half*>(y)[i] = __float2half_rn(v); break;
+    case XDtype::kBF16: static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v); break;
+    default: static_cast<float*>(y)[i] = v;
+  }
+}
+
 // ---- reductions ----------------------------------------------------------------------------------------------
 // Maximum over the warp (NaN-propagating, like nan_max), the same in every lane.
 __device__ __forceinline__ float warp_max(float v) {

@@ -11,9 +11,14 @@ zeros [B, H_kv, m, D/G]. Layout "cols" is transposed, grouped along tokens: code
 zeros [B, H_kv, D, m/G] (m a multiple of G). Keys in the store may be normalized: the stored key is K / key_x_scale
 (InnerQ's per-channel key norm, [H_kv, D]), so the key of a store token is deq * key_x_scale.
 
-For x = q * softmax_scale (fp32 [B, H_q, T, D]; query head h reads KV head h // (H_q / H_kv)):
+For queries x [B, H_q, T, D] (fp16, bf16 or fp32; query head h reads KV head h // (H_q / H_kv)) and q_scale (the
+softmax scale; x' = x.to(fp32) * q_scale, one fp32 multiply):
 
-    out = softmax(x K^T + mask) V              fp32 [B, H_q, T, D]
+    out = softmax(x' K^T + mask) V             [B, H_q, T, D], computed in fp32, returned in out_dtype (default fp32;
+                                               fp16 / bf16: the fp32 result rounded once, as .to() rounds)
+
+kvkernels.decode_attention passes q itself with q_scale and out_dtype = q.dtype: the op then replaces the two
+elementwise kernels before it (q.to(fp32) * scale) and the one after it (.to(q.dtype)), with the same arithmetic.
 
 mask None: causal among the T query rows, which are the last T of the N tokens (row t sees tokens j <= N - T + t).
 Otherwise an additive fp32 mask [B or 1, H_q or 1, T, N] replaces it (a bool mask is turned into 0 / finfo.min by
@@ -79,8 +84,24 @@ def decode_attention_fused(
     attn_mask: torch.Tensor | None = None,
     split_tokens: int = 0,
     lengths: torch.Tensor | None = None,
+    q_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """softmax(x K^T + mask) V over sink | store | tail of keys and values: fp32 [B, H_q, T, D] (module docstring)."""
+    """softmax(x' K^T + mask) V over sink | store | tail of keys and values, x' = x.to(fp32) * q_scale: [B, H_q, T, D]
+    in out_dtype (default fp32) (module docstring)."""
+    out = _attention_fp32(
+        x.to(torch.float32) * q_scale if q_scale != 1.0 else x.to(torch.float32), sink_keys, sink_values, key_codes,
+        key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail, value_tail, key_bits, key_mode,
+        key_layout, value_bits, value_mode, value_layout, group_size, key_x_scale, attn_mask, lengths,
+    )  # fmt: skip
+    return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
+
+
+def _attention_fp32(
+    x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
+    value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, group_size, key_x_scale,
+    attn_mask, lengths,
+) -> torch.Tensor:  # fmt: skip
     B, H_q, T, D = x.shape
     H_kv = sink_keys.shape[1]
     k_store = store_tokens(key_codes, key_scales, key_zeros, key_bits, group_size, key_mode, key_layout)

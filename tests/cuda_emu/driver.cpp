@@ -14,6 +14,7 @@
 #include "kvkernels/lattice.cuh"
 #include <random>
 #include <cassert>
+#include <cstring>
 #include <limits>
 using namespace kvk;
 extern "C" cudaError_t cudaGetLastError(void) { cudaError_t e = kvk_emu::last_err; kvk_emu::last_err = cudaSuccess; return e; }
@@ -848,6 +849,10 @@ struct AttnCase {
   bool dev_lengths = false;
   int64_t extra[5] = {3, 64, 5, 64, 7};
   int windows_aligned = -1;  // 1: 16-byte aligned window rows, 0: misaligned (element offset 1), -1: every other case
+  // the queries' dtype, q_scale and the output's dtype; -1 / 0: rotated over the cases (attn_case), so that every kind
+  // of case (general kernel, store tiles, KIVI tiles, device lengths) meets fp16 / bf16 queries and outputs
+  int xdt = -1, odt = -1;
+  float q_scale = 0.f;
 };
 
 struct AttnStoreBuf {
@@ -989,9 +994,18 @@ void attn_case(const AttnCase& a) {
   const int64_t xs_sh = D + 3;
   Buf<float> xsc(H_kv * xs_sh);
   for (size_t i = 0; i < xsc.n; ++i) xsc.p[i] = 0.5f + std::fabs(frand());
+  // queries in xdt (x.p: the values the kernel reads), times q_scale in fp32; output in odt
+  static int qcalls = 0;
+  static const XDtype xdts[3] = {XDtype::kF32, XDtype::kF16, XDtype::kBF16};
+  static const XDtype odts[3] = {XDtype::kF32, XDtype::kBF16, XDtype::kF16};
+  const int qk = qcalls++;
+  const XDtype xdt = a.xdt >= 0 ? (XDtype)a.xdt : xdts[qk % 3];
+  const XDtype odt = a.odt >= 0 ? (XDtype)a.odt : odts[qk / 3 % 3];
+  const float q_scale = a.q_scale != 0.f ? a.q_scale : qk % 2 ? 0.0883883476f : 1.f;
   const int64_t x_st = D + 4, x_sh = T * x_st + 4, x_sb = H_q * x_sh + 8;
   Buf<float> x(B * x_sb);
-  for (size_t i = 0; i < x.n; ++i) x.p[i] = 0.4f * frand();
+  std::vector<char> xbuf(x.n * xsize(xdt) + 16);
+  for (size_t i = 0; i < x.n; ++i) store_x(xbuf.data(), xdt, i, 0.4f * frand(), x.p[i]);
   // mask [1 (broadcast), H_q, T, N or n_cap] with row stride + 2; device lengths: NaN past N
   const int64_t m_st = (dev ? n_cap : N) + 2, m_sh = T * m_st;
   Buf<float> mask(H_q * m_sh);
@@ -1006,15 +1020,22 @@ void attn_case(const AttnCase& a) {
       }
       if (!all_min) row[rng() % N] = 0.f;  // at least one finite score per row
     }
-  Buf<float> out(B * H_q * T * D);
-  for (size_t i = 0; i < out.n; ++i) out.p[i] = NAN;
+  const size_t n_out = B * H_q * T * D;
+  std::vector<char> out(n_out * xsize(odt), (char)0xff);  // NaN in every dtype
+  const auto out_at = [&](int64_t i) -> double {
+    if (odt == XDtype::kF32) { float f; std::memcpy(&f, out.data() + 4 * i, 4); return f; }
+    uint16_t h; std::memcpy(&h, out.data() + 2 * i, 2);
+    if (odt == XDtype::kF16) return half_bits_to_float(h);
+    const uint32_t w = (uint32_t)h << 16; float f; std::memcpy(&f, &w, 4); return f;
+  };
 
   DecodeAttentionParams p{};
-  p.x = x.p; p.sink_k = sk.w; p.sink_v = sv.w; p.tail_k = tk.w; p.tail_v = tv.w;
+  p.x = xbuf.data(); p.x_dtype = xdt; p.q_scale = q_scale; p.out_dtype = odt;
+  p.sink_k = sk.w; p.sink_v = sv.w; p.tail_k = tk.w; p.tail_v = tv.w;
   p.keys = ks.st; p.values = vs.st; p.window_dtype = a.dt;
   p.key_x_scale = a.xscale ? xsc.p : nullptr;
   p.mask = a.mask_kind ? mask.p : nullptr;
-  p.out = out.p;
+  p.out = out.data();
   p.B = B; p.H_q = H_q; p.H_kv = H_kv; p.T = T; p.N = dev ? n_cap : N; p.D = D; p.group_size = G;
   p.lengths = dev ? lengths : nullptr;
   p.split_tokens = a.split_tokens; p.num_sms = a.num_sms;
@@ -1028,13 +1049,13 @@ void attn_case(const AttnCase& a) {
   const cudaError_t e = launch_decode_attention_fused(p, nullptr);
   res.cases++;
   char tag[256];
-  snprintf(tag, sizeof tag, "attn B%ld Hq%ld Hkv%ld T%ld D%d G%d S%ld mk%ld mv%ld nkt%ld k%d%c%c v%d%c%c xs%d dt%d mask%d split%ld sms%d%s",
+  snprintf(tag, sizeof tag, "attn B%ld Hq%ld Hkv%ld T%ld D%d G%d S%ld mk%ld mv%ld nkt%ld k%d%c%c v%d%c%c xs%d dt%d mask%d split%ld sms%d q%d%s o%d%s",
            B, H_q, H_kv, T, D, G, S, a.mk, a.mv, a.ntk, a.kbits, "sah"[(int)a.kmode], "rc"[(int)a.klay], a.vbits,
            "sah"[(int)a.vmode], "rc"[(int)a.vlay], (int)a.xscale, (int)a.dt, a.mask_kind, (long)a.split_tokens, a.num_sms,
-           dev ? " dev-lengths" : "");
+           (int)xdt, q_scale != 1.f ? "s" : "", (int)odt, dev ? " dev-lengths" : "");
   if (a.expect != cudaSuccess) {
     long touched = 0;
-    for (size_t i = 0; i < out.n; ++i) touched += !std::isnan(out.p[i]);
+    for (size_t i = 0; i < n_out; ++i) touched += !std::isnan(out_at(i));
     const bool good = e == a.expect && last_launch_error()[0] != '\0' && touched == 0;
     if (!good) res.fails++;
     printf("%s: refused with \"%s\" : %s\n", tag, last_launch_error(), good ? "ok" : "FAIL");
@@ -1071,7 +1092,8 @@ void attn_case(const AttnCase& a) {
       for (int64_t hh = 0; hh < gq; ++hh)
         for (int64_t t = 0; t < T; ++t) {
           const int64_t h = hk * gq + hh;
-          const float* xr = x.p + b * x_sb + h * x_sh + t * x_st;
+          float xr[256];  // the row times q_scale in fp32, as the kernels read it
+          for (int c = 0; c < D; ++c) xr[c] = x.p[b * x_sb + h * x_sh + t * x_st + c] * q_scale;
           double mx = -INFINITY, smag = 0;
           for (int64_t j = 0; j < N; ++j) {
             double s = 0, m = 0;
@@ -1088,8 +1110,10 @@ void attn_case(const AttnCase& a) {
             double want = 0, mag = 0;
             for (int64_t j = 0; j < N; ++j) want += pr[j] * V[j * D + c], mag += pr[j] * std::fabs(V[j * D + c]);
             want /= den, mag /= den;
-            const double got = out.p[b * p.o_sb + h * p.o_sh + t * p.o_st + c];
-            const double bound = (4e-6 + 1e-6 * smag) * mag + 1e-7;
+            const double got = out_at(b * p.o_sb + h * p.o_sh + t * p.o_st + c);
+            // + the output's one rounding to nearest (half an ulp: 2^-11 fp16, 2^-8 bf16, relative)
+            const double round_out = odt == XDtype::kF16 ? 0x1p-11 : odt == XDtype::kBF16 ? 0x1p-8 : 0.0;
+            const double bound = (4e-6 + 1e-6 * smag) * mag + 1e-7 + round_out * std::fabs(want) * (1 + 1e-6);
             worst = std::max(worst, std::fabs(got - want) / bound);
             if (!(std::fabs(got - want) <= bound) && !(std::isnan(want) && std::isnan(got))) {  // NaN must stay NaN
               if (bad < 3) printf("  mismatch b%ld h%ld t%ld c%d got %.9g want %.9g bound %.3g\n", b, h, t, c, got, want, bound);

@@ -227,7 +227,9 @@ def attention_calls(tk, calls, dtypes):
     """decode_attention_fused: InnerQ (keys rows, values cols, key_x_scale) and KIVI (keys cols, values rows) layer
     caches at every bit width, every mode and window dtype, Llama-3.1-8B heads (GQA 4, D 128); q_len 16 with a mask
     (64 query rows: row blocks); one split (no merge); D 64 with G 64 (64-token tiles); the other two layout
-    pairs; 64-bit store strides; the device-lengths form (static caches) of both layer caches."""
+    pairs; 64-bit store strides; the device-lengths form (static caches) of both layer caches. q=True: as
+    kvkernels.decode_attention calls it since 2026-11-29, the queries in the windows' dtype with their softmax scale
+    (SCALED) and the output in that dtype (the bf16 store rounds by hand); else fp32 x, no scale, fp32 out."""
 
     def z(*shape, dtype=torch.float32, device="cpu"):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -246,11 +248,11 @@ def attention_calls(tk, calls, dtypes):
         return codes, scales, None if mode == "sym" else scales
 
     def attn(key, value, dtype, T=1, H_q=32, H_kv=8, D=128, G=32, S=32, mk=3968, mv=3968, tail=96, xs=False,
-             mask=False, big=False, lengths=False):  # fmt: skip
+             mask=False, big=False, lengths=False, q=False):  # fmt: skip
         (kb, km, kl), (vb, vm, vl) = key, value
         B, N = 1, S + mk + tail
         dev = "meta" if big else "cpu"
-        x = z(B, H_q, T, D, device=dev)
+        x = z(B, H_q, T, D, dtype=dtype if q else torch.float32, device=dev)
         sk, sv = z(B, H_kv, S, D, dtype=dtype, device=dev), z(B, H_kv, S, D, dtype=dtype, device=dev)
         kt, vt = z(B, H_kv, tail, D, dtype=dtype, device=dev), z(B, H_kv, N - S - mv, D, dtype=dtype, device=dev)
         kc, ks, kz = store(B, H_kv, D, mk, kb, G, km, kl, big)
@@ -259,23 +261,26 @@ def attention_calls(tk, calls, dtypes):
         m = z(B, 1, T, N, device=dev) if mask else None
         n_used = z(5, dtype=torch.int64, device=dev) if lengths else None
         args = (x, sk, sv, kc, ks, kz, vc, vs, vz, kt, vt, kb, km, kl, vb, vm, vl, G, x_scale, m, 0, n_used)
-        calls.append(lambda: tk.decode_attention_fused(*args))
+        scaled = {"q_scale": D**-0.5, "out_dtype": dtype} if q else {}
+        calls.append(lambda: tk.decode_attention_fused(*args, **scaled))
 
     for bits in (1, 2, 3, 4):
-        attn((bits, "sym", "rows"), (bits, "sym", "cols"), torch.float16, xs=True)  # InnerQ
-        attn((bits, "asym", "cols"), (bits, "asym", "rows"), torch.bfloat16, S=0, mv=4000, tail=160)  # KIVI
+        attn((bits, "sym", "rows"), (bits, "sym", "cols"), torch.float16, xs=True, q=True)  # InnerQ
+        attn((bits, "asym", "cols"), (bits, "asym", "rows"), torch.bfloat16, S=0, mv=4000, tail=160, q=True)  # KIVI
     for dtype in dtypes:  # the window dtypes (sink and tail loads)
+        attn((3, "hybrid", "rows"), (2, "hybrid", "cols"), dtype, xs=True, q=True)
         attn((3, "hybrid", "rows"), (2, "hybrid", "cols"), dtype, xs=True)
     attn((1, "asym", "rows"), (4, "asym", "cols"), torch.float32, S=0, mv=4000, tail=160)
     attn((2, "sym", "rows"), (2, "sym", "cols"), torch.float16, T=16, xs=True, mask=True)  # 64 query rows
     attn((2, "asym", "cols"), (2, "asym", "rows"), torch.bfloat16, T=16, H_q=64, S=0, mv=4000, tail=160, mask=True)
     attn((3, "sym", "rows"), (2, "sym", "cols"), torch.float16, S=4, mk=30, mv=0, tail=20, xs=True)  # one split
     attn((2, "sym", "rows"), (4, "asym", "cols"), torch.bfloat16, D=64, G=64, S=0, mk=4000, mv=3968, tail=96)
+    attn((2, "sym", "rows"), (4, "asym", "cols"), torch.bfloat16, D=64, G=64, S=0, mk=4000, mv=3968, tail=96, q=True)
     attn((4, "hybrid", "cols"), (1, "asym", "cols"), torch.float16, G=64)
     attn((2, "asym", "rows"), (2, "asym", "rows"), torch.float16, mv=4000, tail=160, xs=True)
     attn((3, "sym", "rows"), (3, "sym", "cols"), torch.float16, xs=True, big=True)
-    attn((3, "sym", "rows"), (2, "sym", "cols"), torch.float16, xs=True, lengths=True)  # static caches
-    attn((2, "asym", "cols"), (2, "asym", "rows"), torch.float16, S=0, mv=4000, tail=160, lengths=True)
+    attn((3, "sym", "rows"), (2, "sym", "cols"), torch.float16, xs=True, lengths=True, q=True)  # static caches
+    attn((2, "asym", "cols"), (2, "asym", "rows"), torch.float16, S=0, mv=4000, tail=160, lengths=True, q=True)
     attn((2, "hybrid", "rows"), (2, "hybrid", "cols"), torch.bfloat16, T=4, xs=True, mask=True, lengths=True)
 
 
