@@ -28,7 +28,7 @@
 #   VERIFY_BUDGET_S=390 VERIFY_STAGES=build,tests,ncu bash bench/gpu_verify.sh OUTDIR      (build ~60 s, exception
 #                                                                   check ~15 s, tests <= 180 s, ncu the rest)
 #   VERIFY_BUDGET_S=390 VERIFY_SKIP_BUILD=1 VERIFY_STAGES=memcheck,planner,attention \
-#     VERIFY_ATTENTION_ARGS="--tokens 32768 131072 --batch 1 8 --steps-tokens 32768" bash bench/gpu_verify.sh OUTDIR2
+#     VERIFY_ATTENTION_ARGS="--tokens 8192 32768 131072 --batch 1 8 --steps-tokens 32768" bash bench/gpu_verify.sh OUTDIR2
 # At most 8 files come back from the GPU machine, so OUTDIR holds at most: summary.txt, tests.log, sanitizer.log,
 # extra.tar.gz (build.log, junit.xml, demo.log, bench.log, racecheck.log, synccheck.log, attention/generate logs and
 # JSON),

@@ -702,7 +702,9 @@ def check_decode_attention_fused(
         key_zeros=key_zeros, value_codes=value_codes, value_scales=value_scales, value_zeros=value_zeros,
         key_tail=key_tail, value_tail=value_tail, key_x_scale=key_x_scale, attn_mask=attn_mask, lengths=lengths,
     )  # fmt: skip
-    if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not math.isfinite(q_scale):
+    if not isinstance(q_scale, (int, float)):
+        _fail(op, f"q_scale must be a float, got {type(q_scale).__name__}", TypeError)
+    if not math.isfinite(q_scale):
         _fail(op, f"q_scale must be finite, got {q_scale!r}")
     if out_dtype is not None and out_dtype not in FLOAT_ACTIVATIONS:
         names = " or ".join(str(a).removeprefix("torch.") for a in FLOAT_ACTIVATIONS)

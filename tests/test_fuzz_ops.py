@@ -636,7 +636,7 @@ def decode_attention_fused_cases(draw):
         mask_b, mask_h = draw(_product((B, 1), (H_q, 1)))
         mask = _attention_spec(draw, (mask_b, mask_h, T, N), torch.float32, MASK_VALUES)
     args = {
-        "x": _attention_spec(draw, (B, H_q, T, D), torch.float32, values),
+        "x": _attention_spec(draw, (B, H_q, T, D), draw(st.sampled_from((torch.float32,) * 3 + FLOAT_X)), values),
         "sink_keys": window(S),
         "sink_values": window(S),
         "key_codes": k_codes,
@@ -658,11 +658,14 @@ def decode_attention_fused_cases(draw):
         "attn_mask": mask,
         "split_tokens": draw(st.sampled_from((0, 0, group, 2 * group, 4 * group))),
         "lengths": None,
+        "q_scale": draw(st.sampled_from((1.0, 1.0, 0.125, 0.0883883476, 3.0, -0.5))),
+        "out_dtype": draw(st.sampled_from((None, None, *FLOAT_X))),
     }
     case = Case("decode_attention_fused", args, draw(st.integers(0, 2**32 - 1)))
     bad = {"key_bits": BAD_BITS, "value_bits": BAD_BITS, "key_mode": BAD_MODES, "value_mode": BAD_MODES}
     bad |= {"key_layout": LAYOUT_MUTATIONS, "value_layout": LAYOUT_MUTATIONS, "group_size": ATTN_BAD_GROUPS}
-    bad |= {"split_tokens": BAD_SPLITS}
+    bad |= {"split_tokens": BAD_SPLITS, "q_scale": (math.nan, math.inf, -math.inf, 1e300)}
+    bad |= {"out_dtype": (torch.int32, torch.float64, torch.bool)}
     return _finish(draw, case, bad, optional=("key_zeros", "value_zeros", "key_x_scale", "attn_mask"))
 
 
@@ -1033,7 +1036,7 @@ def _attention_cache64(sink, store, tail):
 def check_decode_attention_fused(
     x, sink_keys, sink_values, key_codes, key_scales, key_zeros, value_codes, value_scales, value_zeros, key_tail,
     value_tail, key_bits, key_mode, key_layout, value_bits, value_mode, value_layout, G, key_x_scale, attn_mask,
-    split_tokens, lengths, got, factorized=False,
+    split_tokens, lengths, q_scale, out_dtype, got, factorized=False,
 ):  # fmt: skip
     """float64 softmax(x K^T + mask) V over the exact values of the fp32 operands, with the fp32 error propagated:
     each score is off by at most (D + 8) roundings of sum |x||k| (plus the mask add's); a logit perturbed by e_j
@@ -1042,7 +1045,12 @@ def check_decode_attention_fused(
     online softmax's chunk rescales) and d = sum_k g_k plus the normalization's N + 4 roundings; the output adds
     N + 8 roundings of sum_j p_j |v_j|. A mask entry that dwarfs its score (2^26 times its bound) is the fp32 logit
     exactly: rows of finfo.min (a fully masked bool row) average uniformly in both. Rows are checked where every
-    fp32 key, value, score and logit is finite and far from overflow."""
+    fp32 key, value, score and logit is finite and far from overflow. The queries are x' = x.to(fp32) * q_scale, the
+    fp32 values every backend computes first; an fp16 / bf16 out_dtype adds its one rounding (half an ulp of the
+    value, the bound's own size in the bound, or half its smallest subnormal) and leaves rows unchecked that its range
+    cannot hold."""
+    assert got.dtype == (out_dtype or torch.float32), (got.dtype, out_dtype)
+    x = x.to(torch.float32) * q_scale
     B, H_q, T, D = x.shape
     H_kv = sink_keys.shape[1]
     k_store = _attention_part64(key_codes, key_scales, key_zeros, key_bits, G, key_mode, key_layout, factorized)
@@ -1089,6 +1097,13 @@ def check_decode_attention_fused(
     want, mag = out(p, v), out(w_err, v_mag)
     gate = torch.where(row_ok[..., None], mag + out(p + p_err, v_gate), math.inf)
     assert got.shape == want.shape, (got.shape, want.shape)
+    if out_dtype in (torch.float16, torch.bfloat16):
+        ulp = 2.0**-11 if out_dtype == torch.float16 else 2.0**-8
+        tiny = 2.0**-25 if out_dtype == torch.float16 else 2.0**-134  # half the smallest subnormal: underflow
+        mag = mag + ulp * (want.abs() + 2 * mag) + tiny
+        top = torch.finfo(out_dtype).max / 2  # the rounded value must stay finite
+        gate = torch.where(want.abs() + 2 * mag < top, gate, math.inf)
+        got = got.float()
     _assert_within(got, want, mag, 2.0, "decode_attention_fused", gate)
 
 
@@ -1445,6 +1460,8 @@ _ARG_NAMES = {
         "attn_mask",
         "split_tokens",
         "lengths",  # the device-lengths form: tests/test_fused_attention.py (capacity buffers with junk)
+        "q_scale",
+        "out_dtype",
     ),
     "static_append": (
         "k",
