@@ -15,8 +15,10 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
                   kernel walks the sink, the stores' edges and the tails in one split, as in the first GPU run (the
                   before of splitting them by about a group, 2026-11-28)
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
-over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). "vs sdpa" is sdpa / row
-(> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.
+over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). A row whose calls a CUDA graph
+cannot capture falls back to eager timing (launch gaps and host time then count): it is printed with a WARNING
+and listed as "eager_rows" in the JSON (the first GPU run's log did not say which timer its rows took). "vs sdpa"
+is sdpa / row (> 1: faster than fp16). The fused row's max |error| against the composed path is printed too.
 
 Whole decode steps (append one token + attention, the cache advancing every step), timed the same way for both rows
 (wall clock over STEP_COUNT consecutive steps, synchronized at the end, so host work counts):
@@ -79,9 +81,16 @@ def cache_step(q, fused: bool, a: dict) -> torch.Tensor:
     return decode_attention(q, a["c"], fused_op=fused)
 
 
-def time_fn(fn, sets, device) -> float:
+EAGER_ROWS: list[str] = []  # rows a CUDA graph could not capture (timed eagerly: launch gaps and host time count)
+
+
+def time_fn(fn, sets, device, label: str = "") -> float:
     if device.type == "cuda":
-        return bench.time_cuda(fn, sets)["us"]
+        r = bench.time_cuda(fn, sets)
+        if r.get("timer") != "cuda-graph+events":  # say so: an eager row is not comparable with the graph rows
+            EAGER_ROWS.append(label)
+            print(f"  WARNING {label}: timed eagerly, not as a CUDA graph ({r.get('graph_error', '')})", flush=True)
+        return r["us"]
     return bench.time_cpu(fn, sets, target_s=0.3)["us"]
 
 
@@ -196,7 +205,7 @@ def run(args) -> list[dict]:
                 for _ in range(n_rot)
             ]
             sdpa = functools.partial(sdpa_step, q, n, args.q_len)
-            base = time_fn(sdpa, dense, device)
+            base = time_fn(sdpa, dense, device, f"N {n} B {batch} sdpa fp16")
             del dense
             rows.append({"preset": "sdpa fp16", "batch": batch, "tokens": n, "us": base, "vs_sdpa": 1.0})
             print(f"N {n:>6} B {batch}: sdpa fp16 {base:10.1f} us", flush=True)
@@ -215,7 +224,8 @@ def run(args) -> list[dict]:
                     with contextlib.ExitStack() as stack:
                         for name, value in switches.items():
                             stack.enter_context(_env(name, value))
-                        us = time_fn(functools.partial(cache_step, q, fused), caches, device)
+                        label = f"N {n} B {batch} {preset} {path}"
+                        us = time_fn(functools.partial(cache_step, q, fused), caches, device, label)
                     row = {"preset": preset, "path": path, "batch": batch, "tokens": n, "us": us, "vs_sdpa": base / us}
                     if fused and not switches:
                         row["max_abs_err_vs_composed"] = err
@@ -274,7 +284,9 @@ def main(argv=None) -> int:
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"environment": env, "args": vars(args), "rows": rows, "eager_rows": EAGER_ROWS}, f, indent=1)
+    if EAGER_ROWS:
+        print(f"# {len(EAGER_ROWS)} row(s) timed eagerly (no CUDA graph): {EAGER_ROWS}")
     return 0
 
 
