@@ -1109,10 +1109,12 @@ def basic_blocks(k: Kernel) -> dict[int, Block]:
             b.succs.append(nxt)
     if brx:
         reached = {t for b in blocks.values() for t in b.succs}
+        # subroutines ($__internal_... helpers, reached by CALL only) are never a case, and end the range
+        subs = sorted(a for lab, a in k.labels.items() if lab.startswith("$"))
         ends = sorted(brx)
         for n, x in enumerate(ends):
             src = max(st for st in starts if st <= x)
-            hi = ends[n + 1] if n + 1 < len(ends) else float("inf")
+            hi = min([ends[n + 1] if n + 1 < len(ends) else float("inf"), *(a for a in subs if a > x)])
             blocks[src].succs += [st for st in starts if x < st < hi and st not in reached and st != starts[0]]
     return blocks
 
@@ -1261,6 +1263,22 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     scores = scores[0]
     sides = {"keys": keys, "values": values}
 
+    # At D = 64 a thread's one unit is a key or a value unit by its warp, a runtime choice: ptxas merges code of the
+    # two sides' staging into one copy carrying either call site's lines (for kivi2 the shared start of finish_unit
+    # carried the keys' only, and the keys' rules cut the values' decode: 49.0 where it is ~54). There each side's
+    # path is walked on its own, every staging instruction judged by that side's rules, and the blocks of the other
+    # side's call site dropped wherever the path holds without them (its own copy; a merged block stays).
+    runtime_sides = 2 * D // 128 == 1
+
+    def excluded_for(sd: AttnSide, here: set) -> bool:
+        if here & mk["not_store"] or here & mk["rows_only" if sd.cols else "channel_only"]:
+            return True
+        if not sd.xs and here & mk["xs_multiply"]:
+            return True
+        if any(mk["cases"][b] in here for b in mk["cases"] if b != sd.bits):
+            return True
+        return sd.mode != "hybrid" and bool(here & mk["hybrid"])
+
     def excluded(ch) -> bool:
         if not ch:
             return False
@@ -1269,14 +1287,7 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
         name = side_of(ch)
         if name is None:
             return False
-        sd, here = sides[name], set(ch)
-        if here & mk["not_store"] or here & mk["rows_only" if sd.cols else "channel_only"]:
-            return True
-        if not sd.xs and here & mk["xs_multiply"]:
-            return True
-        if any(mk["cases"][b] in here for b in mk["cases"] if b != sd.bits):
-            return True
-        return sd.mode != "hybrid" and bool(here & mk["hybrid"])
+        return excluded_for(sides[name if walking is None else walking], set(ch))
 
     def work_of(b: Block) -> list:
         return [x for x in b.instrs if x[1].split(".")[0] not in CONTROL_ONLY]  # a join's BSYNC: any line
@@ -1289,29 +1300,54 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     # Blocks cut from the path: most of a cut block's work comes from another case (a block on the path may hold a
     # few instructions hoisted from a case it skips, e.g. address arithmetic); the 64-bit division helper (32-bit
     # operands take the inline path); what only cut blocks reach.
-    cut = set()
-    for s, b in blocks.items():
-        if any(op.startswith("CALL") and "$__internal" in t for _, op, t in b.instrs):
-            cut.add(s)
-            continue
-        work = work_of(b)
-        n = sum(1 for a, _, _ in work if excluded(chain.get(a, ())))
-        if 2 * n > len(work) and n >= 4:  # small blocks (joins, dispatch compares) carry any neighbour's line
-            cut.add(s)
-    changed = True
-    while changed:
-        changed = False
-        for s in blocks:
-            if s not in cut and preds.get(s) and all(x in cut for x in preds[s]):
+    def allowed_blocks() -> set[int]:
+        cut = set()
+        for s, b in blocks.items():
+            if any(op.startswith("CALL") and "$__internal" in t for _, op, t in b.instrs):
                 cut.add(s)
-                changed = True
-    allowed = set(blocks) - cut
+                continue
+            work = work_of(b)
+            n = sum(1 for a, _, _ in work if excluded(chain.get(a, ())))
+            if 2 * n > len(work) and n >= 4:  # small blocks (joins, dispatch compares) carry any neighbour's line
+                cut.add(s)
+        changed = True
+        while changed:
+            changed = False
+            for s in blocks:
+                if s not in cut and preds.get(s) and all(x in cut for x in preds[s]):
+                    cut.add(s)
+                    changed = True
+        return set(blocks) - cut
 
     def latch_of(lp: Loop) -> int:
         return max(s for s in blocks if s <= lp.end)
 
     back = (latch_of(tile), tile.start)
-    on_path = _reach(blocks, tile.start, allowed, {back}) & _reach(blocks, back[0], allowed, {back}, rev=True)
+
+    def path_in(allowed: set[int]) -> set[int]:
+        return _reach(blocks, tile.start, allowed, {back}) & _reach(blocks, back[0], allowed, {back}, rev=True)
+
+    walking = None
+    side_path: dict[str, set[int]] = {}
+    if runtime_sides:
+        for name in sides:
+            walking = name
+            allowed = allowed_blocks()
+            other = [
+                s
+                for s in sorted(blocks)
+                if s in allowed
+                and (owners := [side_of(chain.get(a, ())) for a, _, _ in work_of(blocks[s])])
+                and sum(o not in (None, name) for o in owners) * 2 > len(owners)
+            ]
+            for s in other:  # drop the other side's blocks the path does not need
+                if back[0] in path_in(allowed - {s}):
+                    allowed.discard(s)
+            side_path[name] = path_in(allowed)
+        walking = None
+        on_path = side_path["keys"] | side_path["values"]
+    else:
+        on_path = path_in(allowed_blocks())
     if tile.start not in on_path:
         raise RuntimeError(f"decode_attention D {D} sm_{k.arch}: no path through the tile loop")
     score_b = _reach(blocks, scores.start, on_path, {back}) & _reach(
@@ -1338,20 +1374,31 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     tot = {p: 0 for p in ("issue", "alu", "fma", "imad", "mio", "lsu", "hmma", "xu")}
     parts = {"keys unit": 0, "values unit": 0, "scores loop": 0, "rest": 0}
     local = 0
+    counted = []  # (instruction, weight, part)
     for s in on_path:
         for ins in blocks[s].instrs:
             name = side_of(chain.get(ins[0], ()))
             if s in score_b:
-                w, part = 4 * int(trip), "scores loop"
-            elif name is not None:
-                w, part = units, f"{name} unit"
-            else:
-                w, part = 4, "rest"
-            c = count([ins])
-            for p in tot:
-                tot[p] += w * c[p]
-            parts[part] += w * c["issue"]
-            local += ins[1].split(".")[0] in ("LDL", "STL")
+                counted.append((ins, 4 * int(trip), "scores loop"))
+            elif name is None:
+                counted.append((ins, 4, "rest"))
+            elif not runtime_sides:
+                counted.append((ins, units, f"{name} unit"))
+    if runtime_sides:  # each side's staging on its own path, by the warps that run that side
+        for name, path in side_path.items():
+            counted += [
+                (ins, units, f"{name} unit")
+                for s in path
+                if s not in score_b
+                for ins in blocks[s].instrs
+                if side_of(chain.get(ins[0], ())) is not None
+            ]
+    for ins, w, part in counted:
+        c = count([ins])
+        for p in tot:
+            tot[p] += w * c[p]
+        parts[part] += w * c["issue"]
+        local += ins[1].split(".")[0] in ("LDL", "STL")
     both = []  # branches with both successors on the path: counted on both sides (an upper bound)
     loop_edges = {back, (latch_of(scores), scores.start)}
     for s in on_path:
@@ -1397,12 +1444,12 @@ def attention_rows(kernels: list[Kernel]) -> list[AttnRow]:
 ATTN_CEILING: dict[tuple[str, int], float] = {
     # (preset, head_dim): ceiling (recorded with nvcc 13.0, 4-row instantiation). 42.0 / 47.7 / 45.5 / 52.2 until the
     # staging issued all of a thread's reads before decoding any (load_unit / finish_unit, 2026-11-29): one memory
-    # round trip a tile instead of about four, for 47.1 / 51.0 / 51.4 / 49.0 by this walk (part of the rise is the
-    # walk's: both of unit_site's store branches are counted, ~40 instructions a warp-unit)
+    # round trip a tile instead of about four, for 47.1 / 48.4 / 51.4 / 51.8 by this walk (part of the rise is the
+    # walk's: both of unit_site's store branches are counted, ~40 instructions a warp-unit; D = 64 walked per side)
     ("innerq_base", 128): 48.6,
-    ("innerq_base", 64): 52.6,
+    ("innerq_base", 64): 49.9,
     ("kivi2", 128): 53.0,
-    ("kivi2", 64): 53.8,
+    ("kivi2", 64): 53.4,
 }
 
 
