@@ -1268,7 +1268,7 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     # carried the keys' only, and the keys' rules cut the values' decode: 49.0 where it is ~54). There each side's
     # path is walked on its own, every staging instruction judged by that side's rules, and the blocks of the other
     # side's call site dropped wherever the path holds without them (its own copy; a merged block stays).
-    runtime_sides = 2 * D // 128 == 1
+    runtime_sides = 2 * D // 128 == 1  # one staging unit a thread (the kernel's kUnits at 128 threads)
 
     def excluded_for(sd: AttnSide, here: set) -> bool:
         if here & mk["not_store"] or here & mk["rows_only" if sd.cols else "channel_only"]:
@@ -1279,7 +1279,8 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
             return True
         return sd.mode != "hybrid" and bool(here & mk["hybrid"])
 
-    def excluded(ch) -> bool:
+    def excluded(ch, walking: str | None) -> bool:
+        """Off the tile class's path; staging code judged by the walked side's rules, or (walking None) its own."""
         if not ch:
             return False
         if mk["mask"] in ch:  # no additive mask (decode at q_len 1: the causal rule)
@@ -1287,7 +1288,7 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
         name = side_of(ch)
         if name is None:
             return False
-        return excluded_for(sides[name if walking is None else walking], set(ch))
+        return excluded_for(sides[walking or name], set(ch))
 
     def work_of(b: Block) -> list:
         return [x for x in b.instrs if x[1].split(".")[0] not in CONTROL_ONLY]  # a join's BSYNC: any line
@@ -1300,14 +1301,14 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     # Blocks cut from the path: most of a cut block's work comes from another case (a block on the path may hold a
     # few instructions hoisted from a case it skips, e.g. address arithmetic); the 64-bit division helper (32-bit
     # operands take the inline path); what only cut blocks reach.
-    def allowed_blocks() -> set[int]:
+    def allowed_blocks(walking: str | None = None) -> set[int]:
         cut = set()
         for s, b in blocks.items():
             if any(op.startswith("CALL") and "$__internal" in t for _, op, t in b.instrs):
                 cut.add(s)
                 continue
             work = work_of(b)
-            n = sum(1 for a, _, _ in work if excluded(chain.get(a, ())))
+            n = sum(1 for a, _, _ in work if excluded(chain.get(a, ()), walking))
             if 2 * n > len(work) and n >= 4:  # small blocks (joins, dispatch compares) carry any neighbour's line
                 cut.add(s)
         changed = True
@@ -1327,12 +1328,10 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
     def path_in(allowed: set[int]) -> set[int]:
         return _reach(blocks, tile.start, allowed, {back}) & _reach(blocks, back[0], allowed, {back}, rev=True)
 
-    walking = None
     side_path: dict[str, set[int]] = {}
     if runtime_sides:
         for name in sides:
-            walking = name
-            allowed = allowed_blocks()
+            allowed = allowed_blocks(name)
             other = [
                 s
                 for s in sorted(blocks)
@@ -1344,7 +1343,6 @@ def attention_tile(k: Kernel, D: int, keys: AttnSide, values: AttnSide, mk: dict
                 if back[0] in path_in(allowed - {s}):
                     allowed.discard(s)
             side_path[name] = path_in(allowed)
-        walking = None
         on_path = side_path["keys"] | side_path["values"]
     else:
         on_path = path_in(allowed_blocks())

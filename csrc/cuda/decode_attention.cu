@@ -289,11 +289,11 @@ struct AttnLaunch {
 // D = 64 at 128 registers and spilled; with min blocks 1 it took 185 at D = 128 (2 CTAs / SM). 16 query rows (4 a
 // warp, 16 accumulators a thread at D = 128; no preset's GQA x q_len needs more than 8) take min blocks 2: with a
 // thread's units' reads in flight together (load_unit) they spilled 24-32 bytes at 168.
-template <int D, int ROWS>
+template <int ROWS>
 constexpr int attn_min_blocks() { return ROWS > 8 ? 2 : 3; }
 
 template <int D, int ROWS, bool kDevLengths>
-__global__ void __launch_bounds__(kThreads, attn_min_blocks<D, ROWS>())
+__global__ void __launch_bounds__(kThreads, attn_min_blocks<ROWS>())
     decode_attention_kernel(const DecodeAttentionParams p, const AttnLaunch L) {
   static_assert(ROWS % kWarps == 0 && ROWS <= kMaxRows, "ROWS: 4, 8 or 16");
   constexpr int kRows = ROWS, kRowsPerWarp = ROWS / kWarps;
@@ -321,7 +321,6 @@ __global__ void __launch_bounds__(kThreads, attn_min_blocks<D, ROWS>())
   // the head's key_x_scale, staged once (a token unit reads 32 of it as 8 float4 per tile)
   if (p.key_x_scale != nullptr)
     for (int c = tid; c < D; c += kThreads) xs_s[c] = __ldg(p.key_x_scale + hk * p.xs_sh + c);
-
   const Side sk = resolve(p.sink_k, p.tail_k, p.keys, cnt.mk, p.window_dtype, b, hk,
                           p.key_x_scale != nullptr ? xs_s : nullptr);
   const Side sv = resolve(p.sink_v, p.tail_v, p.values, cnt.mv, p.window_dtype, b, hk, nullptr);
