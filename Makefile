@@ -12,7 +12,7 @@ CSRC := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -nam
 # the real-model packages of `make eval` and part 3 of `make demo` (see the eval targets below)
 EVAL_STAMP := $(VENV)/.kvkernels-eval
 
-.PHONY: demo test venv lint format nvcc-check sass-budget gpu-stack-check bench eval eval-quick clean
+.PHONY: demo test venv lint format nvcc-check sass-budget triton-budget gpu-stack-check bench eval eval-quick clean
 
 demo: $(EVAL_STAMP)  # ~3.5 minutes on 2 idle CPU cores (the first run converts SmolLM2-135M once, ~35 s more)
 	$(PY) -m kvkernels demo
@@ -45,6 +45,10 @@ nvcc-check:
 
 sass-budget: $(STAMP)  # static roofline of the CUDA GEMVs from their SASS (no GPU); fails over budget
 	$(PY) bench/sass_budget.py --markdown build/sass_budget/table.md
+
+triton-budget: $(STAMP)  # static roofline of the Triton GEMVs (no GPU); fails if a default launch is over 16 instr/byte
+	mkdir -p build/triton_budget
+	env -u TRITON_INTERPRET $(PY) bench/triton_budget.py --gate-default 16 --markdown build/triton_budget/table.md
 
 gpu-stack-check:  # the GPU machines' torch 2.11+cu130 / triton 3.6 stack on this CPU machine (downloads ~3 GB once)
 	bash .ci/gpu_stack_check.sh

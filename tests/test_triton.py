@@ -31,7 +31,8 @@ def _weights(shape, bits, G, mode, seed):
     return reference.quantize_groups(w, bits, G, mode)
 
 
-# gemv_kivi's fp16 rounding of each dequantized value: half an fp16 ulp, 2^-11 of |x| |deq|, checked at twice that
+# gemv_kivi's (and 1-bit asym / hybrid gemv_inner_q's) fp16 rounding of each dequantized value: half an fp16 ulp,
+# 2^-11 of |x| |deq|, checked at twice that
 KIVI_DEQ_RTOL = 2.0**-10
 
 
@@ -106,9 +107,30 @@ def test_gemv_inner_q(name):
         args[3] = None
     xs_dev = None if xs is None else place(xs, noncontig, seed + 9)
     y = tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev)
-    _check_close(y, ref, mag, dt)
+    # 1-bit asym / hybrid: gemv_kivi's arithmetic (each dequantized value rounded once to fp16, docs/FORMATS.md)
+    _check_close(y, ref, mag, dt, KIVI_DEQ_RTOL if bits == 1 and mode != "sym" else 0.0)
     if "split" in name:  # the split path sums partials in a fixed order: run-to-run identical
         assert torch.equal(y, tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev))
+
+
+@pytest.mark.parametrize("mode, M, L", [("asym", 300, 224), ("hybrid", 128, 1184)])
+def test_gemv_inner_q_1bit_rounds_values_to_fp16(mode, M, L):
+    """1-bit asym / hybrid take gemv_kivi's arithmetic (docs/FORMATS.md, "GEMV arithmetic"): each dequantized value is
+    fp16(s u + zeff), rounded once, then summed in fp32. With s + zeff 3/4 of an fp16 ulp above 1 in every group the
+    rounding is systematic: the result is the fp16 model's to fp32 accuracy, 2^-12 of it away from the exact
+    reference. Keys-shaped (M 300: one 256-row tile, L 224: whole iterations and a tail chunk) and values-shaped (M
+    128: two sub-chunks of L stacked; L 1184 split) launches."""
+    G = 32
+    codes = reference.pack_bits(torch.ones(1, 1, M, L, dtype=torch.uint8), 1)
+    s = torch.full((1, 1, M, L // G), 3 * 2.0**-12, dtype=torch.float16)
+    z = torch.ones_like(s)
+    if mode == "hybrid":
+        s = -s  # the scale's sign bit: a group stored asym
+    x = torch.ones(1, 2, L)  # fp32 activations: the hi / lo split, GQA 2
+    y = tk.gemv_inner_q(x.to(DEVICE), codes.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 1, G, mode).cpu()
+    exact = reference.gemv_inner_q(x, codes, s, z, 1, G, mode)
+    assert torch.allclose(exact, torch.full_like(exact, L * (1 + 3 * 2.0**-12)), rtol=1e-6, atol=0)
+    assert torch.allclose(y, torch.full_like(y, L * (1 + 2.0**-10)), rtol=1e-6, atol=0), (y.min(), y.max())
 
 
 def test_gemv_empty_sizes():

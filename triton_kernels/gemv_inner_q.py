@@ -22,6 +22,14 @@ STACK x BK values (BK divides the group size G, so a sub-chunk is inside one gro
   (asym / hybrid): two FMAs per output per chunk.
 
 The reduction of the chunk stays inside the MMA (no cross-lane shuffles in the loop but the x-sums of asym / hybrid).
+
+1-bit asym / hybrid (DEQ1, _chunk_deq1) take gemv_kivi's arithmetic instead: a code is 0 or 1, so each value is one of
+its group's two dequantized values, fp16(s * 0 + zeff) or fp16(s + zeff), picked by a byte-permute select
+(select_pairs_1bit) and rounded once to fp16 (docs/FORMATS.md, "GEMV arithmetic"); the scales are then in the operand,
+a chunk may span groups, and each iteration is one dot pair over VALS values per tile row with the activations as
+fp16 hi + lo (scaled per column and chunk by a power of two), where the exact path pays three bf16 dots and a
+scale-and-zero fold per 32-value group (bench/triton_budget.py, sm_90, triton 3.9: keys 18.8 -> 13.8, values 21.4 ->
+15.7 instructions/byte). 1-bit sym keeps the exact path (its levels -1 / 0 are not a select of two stored values).
 The main loop takes VALS values (VALS / (STACK x BK) chunks, unrolled) per iteration at up to 16 query rows, the split's
 last chunks one by one (sub-chunks past the split's end masked). Tiles: BLOCK_M, VALS, num_warps and num_stages are
 autotuned (_CONFIGS, pruned to the tiles that fit M and the query rows) per (bits, mode, L bucket, M bucket, query
@@ -45,10 +53,13 @@ from ._common import (
     dot_operands,
     gqa_query_rows,
     group_affine,
+    halves,
+    load_words,
     next_pow2,
     num_splits,
     pair_perm,
     query_t_chunk,
+    select_pairs_1bit,
     split_dot,
     unpack_pairs,
 )
@@ -132,6 +143,92 @@ def _chunk(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, c_row
 
 
 @triton.jit
+def _levels_1bit(scale_bits, zero, MODE: tl.constexpr):
+    """The two values a 1-bit code of each group dequantizes to, fp16(s * 0 + zeff) and fp16(s + zeff), each in both
+    halves of an int32 (select_pairs_1bit's patterns), from the raw fp16 scale bits (int16) and the fp16 zero.
+
+    In fp16 arithmetic on the device (a byte permute per operand, one HFMA2 and one HADD2): s + zeff rounded once,
+    the value the fp32 sum rounds to (exact unless the terms are over 2^12 apart, and then the smaller is under half
+    an ulp of the larger); s * 0 + zeff carries a NaN / inf scale into both values as the reference's s u + zeff
+    does. zeff as group_affine: asym the zero; hybrid (1 bit: the sym levels are -s, 0) the zero where the scale's
+    sign bit is set, else -|s|."""
+    sb = scale_bits.to(tl.int32)  # sign-extended: negative iff the fp16 sign bit is set
+    zb = zero.to(tl.int16, bitcast=True).to(tl.int32)
+    if MODE == 2:
+        s16 = sb & 0x7FFF
+        z16 = tl.where(sb < 0, zb, s16 | 0x8000)
+    else:
+        s16 = sb
+        z16 = zb
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 s2, z2, zr;
+        prmt.b32 s2, $2, 0, 0x1010;
+        prmt.b32 z2, $3, 0, 0x1010;
+        mov.b32 zr, 0;
+        fma.rn.f16x2 $0, s2, zr, z2;
+        add.rn.f16x2 $1, s2, z2;
+        }""",
+        "=r,=r,r,r",
+        [s16, z16],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _chunk_deq1(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, c_base, m_ok, row_sub, scales_ptr, s_row,
+                zeros_ptr, z_row, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_XS: tl.constexpr, KV: tl.constexpr,
+                XPARTS: tl.constexpr, EMU: tl.constexpr, STACK: tl.constexpr):  # fmt: skip
+    """acc + the chunk of STACK x KV values of L from l0 on (sub-chunk s: values l0 + s KV ..), 1-bit asym / hybrid.
+
+    gemv_kivi's arithmetic instead of _chunk's: each value is dequantized to fp16(s u + zeff), rounded once (a code
+    selects one of its group's two values: a shift, a byte permute and a LOP3 per two values), so the scales are
+    applied before the MMA and a chunk may span groups: one dot pair (fp16 hi + lo of the activations, scaled per
+    column by a power of two: split_dot XPARTS 2; fp16 activations without x_scale: one dot) per KV values instead
+    of three bf16 dots and a fold per group. Sub-chunks from l_hi on read as 0."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    NW: tl.constexpr = KV // 32
+    kv = pair_perm(tl.arange(0, KV), 1)
+    if STACK == 1:  # every column reads the same values of L (the chunk is whole)
+        l = l0 + kv
+        xv = tl.load(x_ptr + x_col[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [KV, SQ]
+        if HAS_XS:
+            xv *= tl.load(xs_ptr + xs_row + l)[:, None]
+        g = ((l0 + 32 * tl.arange(0, NW)) // GROUP)[None, :]  # [1, NW]: the group of each 32-value word
+        row_words = c_base + l0 // 32  # [BLOCK_M] pointers to each row's first word of the chunk
+        row_ok = m_ok
+    else:
+        col_l0 = l0 + col_sub * KV  # [SQ]
+        col_ok = q_ok & (col_l0 < l_hi)
+        l2 = col_l0[None, :] + kv[:, None]  # [KV, SQ]
+        xv = tl.load(x_ptr + x_col[None, :] + l2, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_XS:
+            xv *= tl.load(xs_ptr + xs_row + l2, mask=col_ok[None, :], other=0.0)
+        row_l0 = l0 + row_sub * KV  # [BLOCK_M]
+        row_ok = m_ok & (row_l0 < l_hi)
+        g = (row_l0[:, None] + 32 * tl.arange(0, NW)[None, :]) // GROUP  # [BLOCK_M, NW]
+        row_words = c_base + row_l0 // 32
+
+    # each 32-value word's (s, zeff) and the two fp16 values its codes select between (asym / hybrid: a zero each)
+    tl.static_assert(MODE == 1 or MODE == 2, "_chunk_deq1 serves 1-bit asym / hybrid")
+    scale_bits = tl.load(scales_ptr + s_row[:, None] + g, mask=row_ok[:, None], other=0)
+    zero = tl.load(zeros_ptr + z_row[:, None] + g, mask=row_ok[:, None], other=0.0)
+    if EMU:  # the interpreter: the same roundings on exact codes in fp32 (select_pairs_1bit is inline PTX)
+        s, zeff = group_affine(scale_bits, zero, 1, MODE)  # [BLOCK_M, NW] fp32 (exact fp16 values)
+        u = tl.reshape(unpack_pairs(row_words, 0, row_ok, NW, 0, 1, KV, 0, EMU), (BLOCK_M, NW, 32))
+        sw = tl.broadcast_to(s[:, :, None], (BLOCK_M, NW, 32))
+        zw = tl.broadcast_to(zeff[:, :, None], (BLOCK_M, NW, 32))
+        a = tl.reshape((u * sw + zw).to(tl.float16), (BLOCK_M, KV))
+    else:
+        lo2, hi2 = _levels_1bit(scale_bits, zero, MODE)
+        w = load_words(row_words, 0, row_ok, NW, NW)  # [BLOCK_M, NW]; masked rows read as code 0 of scale 0
+        a = halves(select_pairs_1bit(w, lo2, hi2), BLOCK_M, KV).to(tl.float16, bitcast=True)
+    return split_dot(a, xv, acc, XPARTS, 0, EMU)
+
+
+@triton.jit
 def _gemv_inner_q_kernel(
     # pointers
     x_ptr,  # fp16/bf16/fp32 [B, H_q, T, L]
@@ -177,6 +274,7 @@ def _gemv_inner_q_kernel(
     DOT16: tl.constexpr,  # 0: fp16 operands, 1: bf16
     XPARTS: tl.constexpr,  # 1: x is exactly the 16-bit type, 3: fp32 x as three bf16 parts
     EMU: tl.constexpr,  # interpreter: dots on fp32-widened operands
+    DEQ1: tl.constexpr,  # 1-bit asym / hybrid: values dequantized to fp16 before the MMA (_chunk_deq1)
     M_CAP: tl.constexpr,  # min(256, bucket(M, 64)): the rows of M a program needs at most (tile_stack)
     BLOCK_M: tl.constexpr,  # the MMA tile's rows: M_TILE rows of M x STACK sub-chunks of L
     VALS: tl.constexpr,  # values of L per main-loop iteration: NCH = VALS / (STACK BK) chunks (one at QP > 16)
@@ -213,21 +311,36 @@ def _gemv_inner_q_kernel(
     CH: tl.constexpr = STACK * BK  # values of L per chunk
     # at 32+ query rows the accumulator is large and the loop's work already shared by many rows: one chunk (four
     # spilled 32 B at 64 rows x 128 x 8 warps, tests/test_triton_compile.py)
-    NCH: tl.constexpr = VALS // CH if VALS > CH and QP <= 16 else 1
+    # (DEQ1: every tile row takes VALS values, a stacked tile STACK x VALS: its sub-chunks need not lie in a group)
+    if DEQ1:
+        NCH: tl.constexpr = VALS // BK if VALS > BK and QP <= 16 else 1
+    else:
+        NCH: tl.constexpr = VALS // CH if VALS > CH and QP <= 16 else 1
     l_mid = l_lo + (l_hi - l_lo) // (CH * NCH) * (CH * NCH)
     xs_row = h_kv * sxs_h
     # NCH chunks per iteration: the loop's own work (addresses, bounds, the pipeline's waits) once per VALS values
     # instead of per group (bench/triton_budget.py, 64 x 4 x 128 then: 43.4 -> 37.7 instructions/byte at 3 bits, 31.2
     # -> 25.8 at 2, 17.7 -> 16.1 at 4); the split's last < NCH chunks one by one (sub-chunks from l_hi on masked)
-    for l00 in range(l_lo, l_mid, CH * NCH):
-        for j in tl.static_range(NCH):
-            acc = _chunk(acc, l00 + j * CH, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok,
-                         row_sub, scales_ptr, s_row, zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS,
-                         EMU, STACK)  # fmt: skip
-    for l0 in range(l_mid, l_hi, CH):
-        acc = _chunk(acc, l0, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok, row_sub,
-                     scales_ptr, s_row, zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU,
-                     STACK)  # fmt: skip
+    if DEQ1:  # an iteration's NCH chunks as one: each sub-chunk NCH x BK values (groups applied before the MMA)
+        c_base = codes_ptr + (b * sc_b + h_kv * sc_h + m64 * sc_m)
+        for l00 in range(l_lo, l_mid, CH * NCH):
+            acc = _chunk_deq1(acc, l00, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, c_base, m_ok, row_sub,
+                              scales_ptr, s_row, zeros_ptr, z_row, GROUP, MODE, HAS_XS, NCH * BK, XPARTS, EMU,
+                              STACK)  # fmt: skip
+        for l0 in range(l_mid, l_hi, CH):
+            acc = _chunk_deq1(acc, l0, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, c_base, m_ok, row_sub,
+                              scales_ptr, s_row, zeros_ptr, z_row, GROUP, MODE, HAS_XS, BK, XPARTS, EMU,
+                              STACK)  # fmt: skip
+    else:
+        for l00 in range(l_lo, l_mid, CH * NCH):
+            for j in tl.static_range(NCH):
+                acc = _chunk(acc, l00 + j * CH, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, kv, c_rows,
+                             m_ok, row_sub, scales_ptr, s_row, zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16,
+                             XPARTS, EMU, STACK)  # fmt: skip
+        for l0 in range(l_mid, l_hi, CH):
+            acc = _chunk(acc, l0, l_hi, x_ptr, x_col, col_q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok, row_sub,
+                         scales_ptr, s_row, zeros_ptr, z_row, BITS, GROUP, MODE, HAS_XS, BK, DOT16, XPARTS, EMU,
+                         STACK)  # fmt: skip
 
     y_row = pid_s.to(tl.int64) * sy_s + b * sy_b + h_q * sy_h + t * sy_t
     if STACK == 1:
@@ -309,7 +422,11 @@ def gemv_inner_q(
     splits = num_splits(triton.cdiv(M, _SPLIT_BLOCK_M) * B * H_kv, n_chunks, x.device)
     per_split = triton.cdiv(n_chunks, splits) * bk
     splits = triton.cdiv(L, per_split)
-    dot16, xparts = dot_operands(x4.dtype, x_scale is not None)
+    deq1 = bits == 1 and mode != "sym"
+    if deq1:  # fp16 operands (_chunk_deq1): fp16 activations as they are, others as fp16 hi + lo
+        dot16, xparts = 0, 1 if x4.dtype == torch.float16 and x_scale is None else 2
+    else:
+        dot16, xparts = dot_operands(x4.dtype, x_scale is not None)
 
     y = torch.empty((splits, B, H_q, T, M), dtype=torch.float32, device=x.device)
     z = zeros if zeros is not None else scales  # sym never reads it
@@ -328,7 +445,7 @@ def gemv_inner_q(
             *x4.stride()[:3], *codes.stride()[:3], *scales.stride()[:3], *z.stride()[:3],
             xs.stride(0), *y.stride()[:4],
             BITS=bits, GROUP=group_size, MODE=_MODES[mode], HAS_XS=x_scale is not None,
-            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT, M_CAP=m_cap,
+            QP=qp, BK=bk, DOT16=dot16, XPARTS=xparts, EMU=EMULATE_DOT, DEQ1=deq1, M_CAP=m_cap,
         )  # fmt: skip
     y = y[0] if splits == 1 else y.sum(0)  # fixed-order sum: deterministic
     return y if has_t else y.squeeze(2)
