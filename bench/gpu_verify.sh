@@ -8,7 +8,7 @@
 #   build      KVKERNELS_CUDA=1 pip install --no-build-isolation --no-deps -e .  (only this GPU's arch; a warm
 #              machine's second call rebuilds incrementally)
 #   tests      pytest tests (CUDA tests included), 8 workers with pytest-xdist; verbose per-test lines, so a run cut
-#              at its cap still counts what passed
+#              at its cap still counts what passed; the tests that exercise the GPU first (KVKERNELS_TESTS_GPU_FIRST)
 #   memcheck   compute-sanitizer memcheck over a representative subset of tests/test_cuda_kernels.py (every kernel
 #              family, odd shapes, strided views, ~100 tests; SANITIZER_K replaces it), no CUDA-graph tests
 #   racecheck  compute-sanitizer racecheck and synccheck on a few tests of the shared-memory kernels
@@ -183,7 +183,9 @@ fi
 T=$(slot 180 220)
 # -v: a line per test, so a run cut at the cap still says what passed (the junit file is written only at the end)
 # shellcheck disable=SC2086  # VERIFY_TESTS: paths / pytest arguments, split on spaces
-KVKERNELS_FAILURE_LOG="$WORK/failures.log" timeout "$T" $PY -m pytest ${VERIFY_TESTS:-tests} -rs -v -p no:cacheprovider --junitxml="$WORK/junit.xml" \
+# KVKERNELS_TESTS_GPU_FIRST (tests/conftest.py): the tests that exercise the GPU first, so that a cut drops what CPU CI
+# already runs
+KVKERNELS_TESTS_GPU_FIRST=1 KVKERNELS_FAILURE_LOG="$WORK/failures.log" timeout "$T" $PY -m pytest ${VERIFY_TESTS:-tests} -rs -v -p no:cacheprovider --junitxml="$WORK/junit.xml" \
   "${EXTRA[@]}" "${IGNORE[@]}" >"$OUT/tests.log" 2>&1
 rc=$?
 counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)

@@ -55,6 +55,28 @@ def test_a_test_stage_cut_at_its_cap_still_counts(tmp_path):
     assert "pytest: no junit xml" in summary
 
 
+def test_gpu_tests_are_collected_first(tmp_path):
+    """KVKERNELS_TESTS_GPU_FIRST=1 (the test stage sets it): the tests that exercise a GPU come first, each part in
+    file order, nothing dropped; without it the order is pytest's."""
+
+    def collected(first: bool) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "KVKERNELS_TESTS_GPU_FIRST"}
+        if first:
+            env["KVKERNELS_TESTS_GPU_FIRST"] = "1"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "tests/test_fused_attention.py"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [line for line in proc.stdout.splitlines() if "::" in line]
+
+    plain, ordered = collected(False), collected(True)
+    assert sorted(plain) == sorted(ordered) and plain != ordered
+    gpu = [n for n in plain if "cuda" in n.lower()]  # test_cuda_*: skipped on CPU, first on a GPU
+    assert gpu and ordered[: len(gpu)] == gpu, ordered[: len(gpu) + 2]
+    assert ordered[len(gpu) :] == [n for n in plain if n not in gpu]
+
+
 def test_unknown_stage_is_an_error(tmp_path):
     proc, _ = _run(tmp_path, VERIFY_STAGES="build,benchmark")
     assert proc.returncode == 2 and "unknown stage 'benchmark'" in proc.stderr

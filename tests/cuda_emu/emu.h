@@ -42,7 +42,7 @@ inline thread_local dim3 t_bdim, t_gdim;
 inline thread_local Block* t_blk;
 inline std::atomic<long> traps{0};  // __trap() of a kernel (a device-side abort on a GPU)
 inline void trap() { traps++; }
-inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0}, ldsm_misaligned{0};
+inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0}, ldsm_misaligned{0}, bad_async_copies{0};
 inline size_t cur_smem = 0;
 inline cudaError_t last_err = cudaSuccess;
 
@@ -166,11 +166,16 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const char* addr) {
 // cp.async (csrc/kvkernels/async_copy.cuh): each copy is recorded, not done; commit closes the thread's group and
 // cp_async_wait(n) performs the thread's oldest groups until n remain. So data arrives at the wait that covers it,
 // never earlier: a read of a stage before its wait (or, for another lane's copy, before that lane's wait and a
-// barrier) sees the stale bytes that were there.
+// barrier) sees the stale bytes that were there. A copy the GPU would refuse is counted in bad_async_copies (the
+// driver fails on any): cp-size other than 4, 8 or 16, src-size over cp-size (undefined in PTX), or a destination or
+// (reading) source not aligned to cp-size (a misaligned-address fault on the GPU), none of which memcpy minds.
 struct AsyncCopy { char* dst; const char* src; unsigned bytes, size; };
 inline thread_local std::vector<AsyncCopy> t_async_open;
 inline thread_local std::vector<std::vector<AsyncCopy>> t_async_groups;
 inline void cp_async(char* dst, const void* src, unsigned bytes, unsigned size) {
+  const bool size_ok = (size == 4 || size == 8 || size == 16) && bytes <= size;
+  if (!size_ok || reinterpret_cast<uintptr_t>(dst) % size || (bytes && reinterpret_cast<uintptr_t>(src) % size))
+    bad_async_copies++;
   t_async_open.push_back({dst, static_cast<const char*>(src), bytes, size});
 }
 inline void cp_async_commit() {
