@@ -561,8 +561,10 @@ KNOWN_OVER: dict[tuple, float] = {
     ("inner_q", 3, "sym", 8, 0, "key tile (L=128)"): 10.6,
     ("inner_q", 1, "asym", 8, 0, "key tile (L=128)"): 15.2,
     # 10.5 until the ring loop moved to kvkernels/code_ring.cuh (same source): ptxas allocates these 128-register rows
-    # differently with unrelated changes (that commit: +7 here, -4 and -5 on the 2- and 3-bit sym key tiles)
-    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=128)"): 10.8,
+    # differently with unrelated changes (that commit: +7 here, -4 and -5 on the 2- and 3-bit sym key tiles); 10.7 ->
+    # 11.0 when the warp's first ring items started before the query staging (2026-11-29, the loop's source unchanged:
+    # +6 instructions, while 1 asym at 8 rows went 15.1 -> 14.2 and 3 sym at 4 rows 8.6 -> 8.3 in the steady state)
+    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=128)"): 11.1,
     # keys at head_dim 64 (SmolLM2-135M's, Llama-3.2-1B's shape), the kLoadRing64 kernel: an item is two 16-row tiles of
     # half a chunk (one tile until 2026-11-27: 3 sym 11.1 / 12.9, 2 sym 11.4 / 14.1, 2 hybrid 11.8 / 15.7, 1 asym
     # 16.1 / 21.1 at 4 / 8 rows), so the ring's copies and the loop are paid once per 32 rows; each tile's epilogue
@@ -575,7 +577,7 @@ KNOWN_OVER: dict[tuple, float] = {
     ("inner_q", 3, "sym", 8, 0, "key tile (L=64)"): 11.0,
     # KIVI 1 bit through its ring (the preset rows since the ring): 10.6 / 11.7 with register loads, which model
     # latency-bound at 40 % (8 KB in flight per SM); the ring's shared-memory reads add ~8 / ~12 instructions a step
-    ("kivi", 1, "asym", 4, 16, "steady state"): 11.1,
+    ("kivi", 1, "asym", 4, 16, "steady state"): 11.2,  # 11.1 until the ring prefill before the staging (2026-11-29)
     ("kivi", 1, "asym", 8, 16, "steady state"): 12.5,
     # 64-column value stores (head_dim 64) through the ring's two-k-step items since 2026-11-28: 13.5 / 14.6 with
     # register loads, latency-bound at 20 % (4 KB in flight per SM), now 11.8 / 13.9 at 94 / 80 %; 2 bits at 8 rows

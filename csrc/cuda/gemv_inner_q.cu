@@ -559,6 +559,34 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
   const int mtiles = static_cast<int>((m_end - m_begin + 15) / 16);
   const int full_tiles = static_cast<int>((m_end - m_begin) / 16);  // tiles whose 16 rows all exist
   const float* xscale = p.x_scale == nullptr ? nullptr : p.x_scale + hkv * p.xs_sh + l0;
+  // The warp's first ring stream starts before the query staging (ring_prologue): the staging reads x twice and
+  // waits at three barriers, so a CTA's first items otherwise leave DRAM only after one to two round trips of it. The
+  // stream is the one the first pass runs first: the keys' whole tiles from the warp's first (one_tile_items), or the
+  // value GEMV's chunks of the warp's first tile (the general tiles). Keys at head_dim 64 (kRing64, nblk 2) start as
+  // before.
+  // (The stream's sources are made here as the tile loops make them below; kept out of the staging's live registers.)
+  bool prefilled = false;
+  if constexpr (kRing && !kRing64) {
+    const int64_t row0 = m_begin + 16 * warp, step = 16 * nwarps;
+    const uint32_t* c_bh = p.codes + b * p.c_sb + hkv * p.c_sh + l0 / 32 * BITS;
+    const uint16_t* s_bh = p.scales + b * p.s_sb + hkv * p.s_sh + blk_abs0;  // the ring: G = 32 (bpg 1)
+    const uint16_t* zg = kZeros ? p.zeros + b * p.z_sb + hkv * p.z_sh + blk_abs0 : nullptr;
+    if (nblk == kChunkBlocks) {
+      const int n = full_tiles > warp ? (full_tiles - warp + nwarps - 1) / nwarps : 0;
+      if (n > 0) {
+        RingStream<BITS, MODE> st = ring_stream<BITS, MODE>(ring, n, row0, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg,
+                                                            p.z_sm, 4 * step * p.c_sm, 2 * step * p.s_sm,
+                                                            2 * step * p.z_sm, lane);
+        ring_prologue(st);
+        prefilled = true;
+      }
+    } else if (nblk != 2 && warp < mtiles) {
+      RingStream<BITS, MODE> st = ring_stream<BITS, MODE>(ring, nchunks, row0, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm,
+                                                          zg, p.z_sm, 16 * BITS, 8, 8, lane);
+      ring_prologue(st);
+      prefilled = true;
+    }
+  }
 
   for (int q0 = 0; q0 < k.qb; q0 += QR) {
     // ---- stage the query tile ------------------------------------------------------------------------------------
@@ -677,16 +705,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         RingStream<BITS, MODE, BLOCKS, ROWS> st = ring_stream<BITS, MODE, BLOCKS, ROWS>(
             ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm, 4 * kTiles * step * p.c_sm,
             2 * kTiles * step * p.s_sm, 2 * kTiles * step * p.z_sm, lane);
-        run_ring(st, [&](int, const char* slot) {
+        run_ring(
+            st,
+            [&](int, const char* slot) {
 #pragma unroll
-          for (int h = 0; h < kTiles; ++h) {
-            float acc[NT][2], zacc[NT][4];
-            zero_tile(acc, zacc);
-            compute(slot, h, acc, zacc);
-            store_tile<MODE, NT>(outq, usq, ma + 16 * h, acc, zacc, true, true);
-          }
-          ma += kTiles * step;
-        });
+              for (int h = 0; h < kTiles; ++h) {
+                float acc[NT][2], zacc[NT][4];
+                zero_tile(acc, zacc);
+                compute(slot, h, acc, zacc);
+                store_tile<MODE, NT>(outq, usq, ma + 16 * h, acc, zacc, true, true);
+              }
+              ma += kTiles * step;
+            },
+            prefilled);
+        prefilled = false;
       };
       // items of one tile: the warp's share of the full tiles from mt on (mt = warp + a multiple of nwarps)
       const auto one_tile_items = [&](auto blocks, const auto& compute) {
@@ -750,11 +782,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         RingStream<BITS, MODE> st = ring_stream<BITS, MODE>(ring, nchunks, ma - g, last, c_bh, p.c_sm, s_bh, p.s_sm,
                                                             zg, p.z_sm, 16 * BITS, 8, 8, lane);
         ChunkCtx x = cx;  // at the step's fragments, as chunk_loop advances them
-        run_ring(st, [&](int, const char* slot) {
-          ring_compute<BITS, MODE, NT>(slot, g, x, kc, acc, zacc);
-          x.frag += kChunkBlocks * 32;
-          x.zfrag += 32;
-        });
+        run_ring(
+            st,
+            [&](int, const char* slot) {
+              ring_compute<BITS, MODE, NT>(slot, g, x, kc, acc, zacc);
+              x.frag += kChunkBlocks * 32;
+              x.zfrag += 32;
+            },
+            prefilled);
+        prefilled = false;
       } else if (k.bpg == 1) {
         chunk_loop<BITS, MODE, NT, VEC, true>(r, nchunks, blk_abs0, k.bpg_magic, cx, kc, acc, zacc);
       } else {

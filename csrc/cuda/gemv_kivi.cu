@@ -104,6 +104,10 @@ struct KiviRingStream : KiviSlot<BITS, 16> {
   char* ring;
   int n;
 
+  __device__ __forceinline__ void skip(int i) {  // run_ring, prefilled: ring_prologue copied item i
+    if (i < n) c0 += dc, c1 += dc, m += dm;
+  }
+
   __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
       if (has0) cp_async_zfill<16>(smem_addr(slot + o0), c0, n0);
@@ -276,6 +280,32 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
   uint2* xfrag = reinterpret_cast<uint2*>(body + kWarps * kRingWarp);  // [NT][nks][32 lanes]
   float* red = reinterpret_cast<float*>(body);                         // [kWarps][QR][CT] after the main loop
 
+  // The warp's ring stream of the first pass starts before the query staging (ring_prologue, as gemv_inner_q): its
+  // first items' DRAM latency overlaps the staging's reads of x and its barriers. Made as the main loop makes it below.
+  bool prefilled = false;
+  if constexpr (kRing) {
+    if (warp_ok) {
+      constexpr int kSteps = kivi_ring_steps(CPL);
+      const int whole = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;
+      const int n = whole / kSteps;
+      const int64_t c_off = c_warp * BITS / 32, g_off = c_warp / 32;
+      const uint32_t* c_tile = p.codes + b * p.c_sb + hkv * p.c_sh + c_off;
+      const uint16_t* s_tile = p.scales + b * p.s_sb + hkv * p.s_sh + g_off;
+      const uint16_t* z_tile = p.zeros + b * p.z_sb + hkv * p.z_sh + g_off;
+      if constexpr (CPL == 16) {
+        const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
+        KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
+                                                         p.s_sr, z_tile, p.z_sr, cols, lane);
+        ring_prologue(st);
+      } else {
+        KiviRing64Stream<BITS> st = kivi_ring64_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
+                                                             p.s_sr, z_tile, p.z_sr, lane);
+        ring_prologue(st);
+      }
+      prefilled = true;
+    }
+  }
+
   for (int q0 = 0; q0 < k.qb; q0 += QR) {
     // ---- stage the query tile (as gemv_inner_q: per-row scale 2^e, then hi / lo fragments) ---------------------------
     __syncthreads();
@@ -357,12 +387,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
           const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
           KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
                                                            p.s_sr, z_tile, p.z_sr, cols, lane);
-          run_ring(st, consume);
+          run_ring(st, consume, prefilled);
         } else {
           KiviRing64Stream<BITS> st = kivi_ring64_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
                                                                p.s_sr, z_tile, p.z_sr, lane);
-          run_ring(st, consume);
+          run_ring(st, consume, prefilled);
         }
+        prefilled = false;
         ks += n * kSteps * rw;
         cr += n * kSteps * c_step, ch += n * kSteps * c_step, sr += n * kSteps * s_step, zr += n * kSteps * z_step;
         if (CPL == 8 && ks < nfull) {  // an odd whole k-step left over by the two-step items

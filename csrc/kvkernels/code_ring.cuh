@@ -50,6 +50,16 @@ struct RingCopies {
   char* ring;
   int n;
 
+  // Moves the sources past item i without copying it (run_ring, prefilled: ring_prologue copied it already).
+  __device__ __forceinline__ void skip(int i) {
+    if (i < n) {
+#pragma unroll
+      for (int k = 0; k < CODES; ++k) c[k] += dc;
+#pragma unroll
+      for (int k = 0; k < METAS; ++k) m[k] += dm[k];
+    }
+  }
+
   // Copies item i (if it exists) into its slot, then commits a group (empty past the end): run_ring's contract.
   __device__ __forceinline__ void issue(int i, char* slot) {
     if (i < n) {
@@ -68,17 +78,33 @@ struct RingCopies {
   }
 };
 
+// run_ring's prologue on its own: copies the stream's first kStages - 1 items (committing a group each), so that a
+// kernel can start them before other work, e.g. its query staging, whose global reads and barriers then overlap the
+// items' DRAM latency. The run_ring that consumes them takes prefilled = true and a stream made the same way. The
+// warp's first stream only (run_ring's __syncwarp, which protects slots a previous stream may still read, comes after).
+template <typename Stream>
+__device__ __forceinline__ void ring_prologue(Stream& st) {
+#pragma unroll
+  for (int i = 0; i < Stream::kStages - 1; ++i) st.issue(i, st.ring + i * Stream::kSlot);
+}
+
 // Runs a warp's stream of st.n items: consume(i, slot) for each, with Stream::kStages - 1 items in flight.
 // st.issue(i, slot) copies item i (if it exists) into `slot` and commits a group (empty past the end), so the wait
 // counts are the same in every iteration. Item i lives in slot i % kStages; the loop rotates two slot pointers instead
 // of taking the remainder (3 and 6 stages are not powers of two). Starts with a __syncwarp: a previous stream of this
-// warp may still be reading the slots this one's prologue refills.
+// warp may still be reading the slots this one's prologue refills. prefilled: ring_prologue has issued the first
+// kStages - 1 items already (st.skip moves the sources past them).
 template <typename Stream, typename Consume>
-__device__ __forceinline__ void run_ring(Stream& st, const Consume& consume) {
+__device__ __forceinline__ void run_ring(Stream& st, const Consume& consume, bool prefilled = false) {
   constexpr int S = Stream::kStages, kSlot = Stream::kSlot;
   __syncwarp();
 #pragma unroll
-  for (int i = 0; i < S - 1; ++i) st.issue(i, st.ring + i * kSlot);
+  for (int i = 0; i < S - 1; ++i) {
+    if (prefilled)
+      st.skip(i);
+    else
+      st.issue(i, st.ring + i * kSlot);
+  }
   char* rd = st.ring;                    // item i's slot
   char* wr = st.ring + (S - 1) * kSlot;  // item i + S - 1's: the slot item i - 1 used
   char* const end = st.ring + S * kSlot;
