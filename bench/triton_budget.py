@@ -22,9 +22,10 @@ Usage:
     python bench/triton_budget.py [--archs 90] [--rows 4] [--markdown FILE] [--json FILE] [--gate 16]
                                   [--gate-default 16]
 Exit status 1 with --gate X if a preset launch on sm_90 is over X instr/byte, with --gate-default X if a preset
-GEMV's default launch (the first config the autotuner's pruning keeps, the only one where it cannot time: the
-interpreter, or before tuning) is, or if a hot loop touches local memory. `make triton-budget` (CI) runs the
-default gate at 16 under the triton the venv installs.
+GEMV's preferred launch is (the first config the pruning keeps: the one the interpreter runs, and the autotuner's
+first candidate; on a GPU the autotuner times every kept config and may pick another), or if a hot loop touches
+local memory. `make triton-budget` (CI) runs the preferred-launch gate at 16 (the --rows 4 shape) under the triton
+the venv installs.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gate-default",
         type=float,
-        help="fail if the default launch (the first config the pruning keeps) of a preset's GEMV on sm_90 is over "
+        help="fail if the preferred launch (the first config the pruning keeps) of a preset's GEMV on sm_90 is over "
         "this many instr/byte (issue 19's goal: 16)",
     )
     ap.add_argument("--jobs", type=int, default=2)

@@ -108,9 +108,28 @@ def test_gemv_inner_q(name):
     xs_dev = None if xs is None else place(xs, noncontig, seed + 9)
     y = tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev)
     # 1-bit asym / hybrid: gemv_kivi's arithmetic (each dequantized value rounded once to fp16, docs/FORMATS.md)
-    _check_close(y, ref, mag, dt, KIVI_DEQ_RTOL if bits == 1 and mode != "sym" else 0.0)
+    deq16 = bits == 1 and mode != "sym"
+    _check_close(y, ref, mag, dt, KIVI_DEQ_RTOL if deq16 else 0.0)
+    if deq16:  # ... and otherwise fp32-exact: against that fp16 model, to fp32 accumulation (a lost lo part fails)
+        _check_fp16_weight_model(y, x if T else x.unsqueeze(2), xs, codes, scales, zeros, bits, G, mode, ratio)
     if "split" in name:  # the split path sums partials in a fixed order: run-to-run identical
         assert torch.equal(y, tk.gemv_inner_q(*args[:4], bits, G, mode, xs_dev))
+
+
+def _check_fp16_weight_model(y, x4, xs, codes, scales, zeros, bits, G, mode, ratio):
+    """y (the Triton 1-bit asym / hybrid GEMV) against the float64 sum over fp16(s u + zeff), one rounding each:
+    within 4e-6 of sum |x'| |w16| (fp32 accumulation; the activations' hi + lo split adds at most 2^-23 of a chunk's
+    largest |x'|). Rounding the activations to fp16 instead (a lost lo part) is ~1e-5-1e-4 off."""
+    u = reference.unpack_bits(codes, bits).double()
+    s, zeff = (t.double().repeat_interleave(G, -1) for t in reference.group_affine(scales, zeros, bits, mode))
+    w16 = (s * u + zeff).half().double().repeat_interleave(ratio, 1)  # [B, H_q, M, L]
+    xd = x4.double()  # [B, H_q, T, L], fp32 activations (times x_scale) as the kernel forms them
+    if xs is not None:
+        xd = (x4.float() * xs.repeat_interleave(ratio, 0).unsqueeze(1)).double()
+    want, mag = xd @ w16.transpose(-1, -2), xd.abs() @ w16.abs().transpose(-1, -2)
+    got = y.cpu().double().reshape(want.shape)
+    bad = (got - want).abs() > 4e-6 * mag + ATOL
+    assert not bad.any(), f"max |diff| {(got - want).abs().max():.3g} of magnitude {mag.max():.3g}"
 
 
 @pytest.mark.parametrize("mode, M, L", [("asym", 300, 224), ("hybrid", 128, 1184)])
@@ -118,19 +137,21 @@ def test_gemv_inner_q_1bit_rounds_values_to_fp16(mode, M, L):
     """1-bit asym / hybrid take gemv_kivi's arithmetic (docs/FORMATS.md, "GEMV arithmetic"): each dequantized value is
     fp16(s u + zeff), rounded once, then summed in fp32. With s + zeff 3/4 of an fp16 ulp above 1 in every group the
     rounding is systematic: the result is the fp16 model's to fp32 accuracy, 2^-12 of it away from the exact
-    reference. Keys-shaped (M 300: one 256-row tile, L 224: whole iterations and a tail chunk) and values-shaped (M
-    128: two sub-chunks of L stacked; L 1184 split) launches."""
+    reference. The activations, 1 + 2^-13, are not fp16 numbers: their lo part must reach the dot (fp16 alone would
+    be 1, 2^-13 off). Keys-shaped (M 300: one 256-row tile, L 224: whole iterations and a tail chunk) and
+    values-shaped (M 128: two sub-chunks of L stacked; L 1184 split) launches."""
     G = 32
     codes = reference.pack_bits(torch.ones(1, 1, M, L, dtype=torch.uint8), 1)
     s = torch.full((1, 1, M, L // G), 3 * 2.0**-12, dtype=torch.float16)
     z = torch.ones_like(s)
     if mode == "hybrid":
         s = -s  # the scale's sign bit: a group stored asym
-    x = torch.ones(1, 2, L)  # fp32 activations: the hi / lo split, GQA 2
+    x = torch.full((1, 2, L), 1 + 2.0**-13)  # fp32 activations: the hi / lo split, GQA 2
     y = tk.gemv_inner_q(x.to(DEVICE), codes.to(DEVICE), s.to(DEVICE), z.to(DEVICE), 1, G, mode).cpu()
     exact = reference.gemv_inner_q(x, codes, s, z, 1, G, mode)
-    assert torch.allclose(exact, torch.full_like(exact, L * (1 + 3 * 2.0**-12)), rtol=1e-6, atol=0)
-    assert torch.allclose(y, torch.full_like(y, L * (1 + 2.0**-10)), rtol=1e-6, atol=0), (y.min(), y.max())
+    assert torch.allclose(exact, torch.full_like(exact, L * (1 + 2.0**-13) * (1 + 3 * 2.0**-12)), rtol=1e-6, atol=0)
+    fp16_model = L * (1 + 2.0**-13) * (1 + 2.0**-10)
+    assert torch.allclose(y, torch.full_like(y, fp16_model), rtol=1e-6, atol=0), (y.min(), y.max())
 
 
 def test_gemv_empty_sizes():

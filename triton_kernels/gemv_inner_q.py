@@ -150,7 +150,9 @@ def _levels_1bit(scale_bits, zero, MODE: tl.constexpr):
     In fp16 arithmetic on the device (a byte permute per operand, one HFMA2 and one HADD2): s + zeff rounded once,
     the value the fp32 sum rounds to (exact unless the terms are over 2^12 apart, and then the smaller is under half
     an ulp of the larger); s * 0 + zeff carries a NaN / inf scale into both values as the reference's s u + zeff
-    does. zeff as group_affine: asym the zero; hybrid (1 bit: the sym levels are -s, 0) the zero where the scale's
+    does (past the dot an infinite value may still become NaN where the reference has +-inf: fp32 / bf16 activations
+    enter as hi + lo, and inf times a lo part of 0 is NaN; the same holds for s + zeff overflowing fp16, and for
+    gemv_kivi). zeff as group_affine: asym the zero; hybrid (1 bit: the sym levels are -s, 0) the zero where the scale's
     sign bit is set, else -|s|."""
     sb = scale_bits.to(tl.int32)  # sign-extended: negative iff the fp16 sign bit is set
     zb = zero.to(tl.int16, bitcast=True).to(tl.int32)
