@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         r for r in defaults.values() if a.gate_default is not None and r.arch == 90
         and r.m["instr_per_byte"] > a.gate_default
     ]  # fmt: skip
+    import triton
+
+    gated = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2]) >= GATED_FROM_TRITON
     local = [r for r in rows if r.m["local_memory_in_loop"]]
     for r in over:
         print(f"OVER: {r.preset} {r.gemv} sm_{r.arch}: {r.m['instr_per_byte']:.1f} instr/byte > {a.gate}")
@@ -338,15 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"OVER (default launch): {r.preset} {r.gemv} sm_{r.arch} ({r.tile}): {ipb:.1f} > {a.gate_default}")
     if a.gate_default is not None and not over_default:
         print(f"every preset's default launch on sm_90 is within {a.gate_default} instr/byte ({len(defaults)})")
-    import triton
-
-    if over_default and tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2]) < GATED_FROM_TRITON:
+    if over_default and not gated:
         since = ".".join(map(str, GATED_FROM_TRITON))
         print(f"(triton {triton.__version__}: the default-launch gate holds from triton {since} on; bench/README.md)")
-        over_default = []
     for r in local:
         print(f"LOCAL MEMORY IN HOT LOOP: {r.preset} {r.gemv} sm_{r.arch}")
-    return 1 if over or over_default or local else 0
+    return 1 if over or (over_default and gated) or local else 0
 
 
 if __name__ == "__main__":

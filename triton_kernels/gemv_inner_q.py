@@ -90,6 +90,31 @@ _SPLIT_BLOCK_M = 64  # the tile the split of L is planned with (independent of t
 
 
 @triton.jit
+def _chunk_window(l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, m_ok, row_sub, SUB: tl.constexpr,
+                  HAS_XS: tl.constexpr, STACK: tl.constexpr):  # fmt: skip
+    """A chunk's activations and rows, for the STACK sub-chunks of SUB values from l0 on: (xv [SUB, SQ] fp32, times
+    x_scale, in kv's value order; row_l0, the first value of each tile row's sub-chunk: l0 itself at STACK 1, else
+    [BLOCK_M]; row_ok [BLOCK_M]). STACK 1 reads whole chunks; stacked sub-chunks from l_hi on read as 0."""
+    if STACK == 1:  # every column reads the same values of L
+        l = l0 + kv
+        xv = tl.load(x_ptr + x_col[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_XS:
+            xv *= tl.load(xs_ptr + xs_row + l)[:, None]
+        row_l0 = l0
+        row_ok = m_ok
+    else:
+        col_l0 = l0 + col_sub * SUB  # [SQ]
+        col_ok = q_ok & (col_l0 < l_hi)
+        l2 = col_l0[None, :] + kv[:, None]  # [SUB, SQ]
+        xv = tl.load(x_ptr + x_col[None, :] + l2, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_XS:
+            xv *= tl.load(xs_ptr + xs_row + l2, mask=col_ok[None, :], other=0.0)
+        row_l0 = l0 + row_sub * SUB  # [BLOCK_M]
+        row_ok = m_ok & (row_l0 < l_hi)
+    return xv, row_l0, row_ok
+
+
+@triton.jit
 def _chunk(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, c_rows, m_ok, row_sub, scales_ptr, s_row,
            zeros_ptr, z_row, BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_XS: tl.constexpr,
            BK: tl.constexpr, DOT16: tl.constexpr, XPARTS: tl.constexpr, EMU: tl.constexpr,
@@ -102,28 +127,13 @@ def _chunk(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, c_row
     the caller keeps the pairs whose sub-chunks match. Sub-chunks from l_hi on read as 0."""
     BLOCK_M: tl.constexpr = acc.shape[0]
     SQ: tl.constexpr = acc.shape[1]
-    if STACK == 1:  # every column reads the same values of L (the chunk is whole: l_hi is a multiple of BK)
-        l = l0 + kv
-        xv = tl.load(x_ptr + x_col[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [BK, SQ]
-        if HAS_XS:
-            xv *= tl.load(xs_ptr + xs_row + l)[:, None]
-    else:
-        col_l0 = l0 + col_sub * BK  # [SQ]
-        col_ok = q_ok & (col_l0 < l_hi)
-        l2 = col_l0[None, :] + kv[:, None]  # [BK, SQ]
-        xv = tl.load(x_ptr + x_col[None, :] + l2, mask=col_ok[None, :], other=0.0).to(tl.float32)  # [BK, SQ]
-        if HAS_XS:
-            xv *= tl.load(xs_ptr + xs_row + l2, mask=col_ok[None, :], other=0.0)
+    # the chunk is whole at STACK 1 (l_hi is a multiple of BK); every row reads the chunk's group there
+    xv, row_l0, row_ok = _chunk_window(l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, m_ok, row_sub, BK,
+                                       HAS_XS, STACK)  # fmt: skip
 
     # [BLOCK_M, BK] exact 16-bit codes; sym: signed, sum_l (s u_l - s 2^(b-1)) x_l = s * dot(u - 2^(b-1), x)
     OFF: tl.constexpr = 1 << (BITS - 1)
     c_off: tl.constexpr = OFF if MODE == 0 else 0
-    if STACK == 1:
-        row_l0 = l0  # every row reads the chunk's group
-        row_ok = m_ok
-    else:
-        row_l0 = l0 + row_sub * BK  # [BLOCK_M]
-        row_ok = m_ok & (row_l0 < l_hi)
     ua = unpack_pairs(c_rows, (l0 // 32) * BITS, row_ok, BK // 32 * BITS, c_off, BITS, BK, DOT16, EMU)
     d = split_dot(ua, xv, tl.zeros((BLOCK_M, SQ), dtype=tl.float32), XPARTS, DOT16, EMU)  # [BLOCK_M, SQ]
 
@@ -193,25 +203,13 @@ def _chunk_deq1(acc, l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, c_ba
     BLOCK_M: tl.constexpr = acc.shape[0]
     NW: tl.constexpr = KV // 32
     kv = pair_perm(tl.arange(0, KV), 1)
-    if STACK == 1:  # every column reads the same values of L (the chunk is whole)
-        l = l0 + kv
-        xv = tl.load(x_ptr + x_col[None, :] + l[:, None], mask=q_ok[None, :], other=0.0).to(tl.float32)  # [KV, SQ]
-        if HAS_XS:
-            xv *= tl.load(xs_ptr + xs_row + l)[:, None]
+    xv, row_l0, row_ok = _chunk_window(l0, l_hi, x_ptr, x_col, q_ok, col_sub, xs_ptr, xs_row, kv, m_ok, row_sub, KV,
+                                       HAS_XS, STACK)  # fmt: skip
+    if STACK == 1:  # the chunk is whole; row_l0 is l0 for every row
         g = ((l0 + 32 * tl.arange(0, NW)) // GROUP)[None, :]  # [1, NW]: the group of each 32-value word
-        row_words = c_base + l0 // 32  # [BLOCK_M] pointers to each row's first word of the chunk
-        row_ok = m_ok
     else:
-        col_l0 = l0 + col_sub * KV  # [SQ]
-        col_ok = q_ok & (col_l0 < l_hi)
-        l2 = col_l0[None, :] + kv[:, None]  # [KV, SQ]
-        xv = tl.load(x_ptr + x_col[None, :] + l2, mask=col_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_XS:
-            xv *= tl.load(xs_ptr + xs_row + l2, mask=col_ok[None, :], other=0.0)
-        row_l0 = l0 + row_sub * KV  # [BLOCK_M]
-        row_ok = m_ok & (row_l0 < l_hi)
         g = (row_l0[:, None] + 32 * tl.arange(0, NW)[None, :]) // GROUP  # [BLOCK_M, NW]
-        row_words = c_base + row_l0 // 32
+    row_words = c_base + row_l0 // 32  # [BLOCK_M] pointers to each row's first word of its sub-chunk
 
     # each 32-value word's (s, zeff) and the two fp16 values its codes select between (asym / hybrid: a zero each)
     tl.static_assert(MODE == 1 or MODE == 2, "_chunk_deq1 serves 1-bit asym / hybrid")

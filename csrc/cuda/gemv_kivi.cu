@@ -282,26 +282,32 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
 
   // The warp's ring stream of the first pass starts before the query staging (ring_prologue, as gemv_inner_q): its
   // first items' DRAM latency overlaps the staging's reads of x and its barriers. Made as the main loop makes it below.
+  // The ring's stream of the split's whole k-steps, kivi_ring_steps(CPL) per item: made for the prologue here and
+  // again for the main loop below (the same stream: a stream's sources move as it copies).
+  constexpr int kSteps = kivi_ring_steps(CPL);
+  const auto ring_of = [&](auto run) {
+    const int whole = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;  // the warp's whole k-steps
+    const int n = whole / kSteps;
+    const int64_t c_off = c_warp * BITS / 32, g_off = c_warp / 32;  // the tile's first word and group
+    const uint32_t* c_tile = p.codes + b * p.c_sb + hkv * p.c_sh + c_off;
+    const uint16_t* s_tile = p.scales + b * p.s_sb + hkv * p.s_sh + g_off;
+    const uint16_t* z_tile = p.zeros + b * p.z_sb + hkv * p.z_sh + g_off;
+    if constexpr (CPL == 16) {
+      const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
+      KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile, p.s_sr,
+                                                       z_tile, p.z_sr, cols, lane);
+      run(st);
+    } else {
+      KiviRing64Stream<BITS> st = kivi_ring64_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
+                                                           p.s_sr, z_tile, p.z_sr, lane);
+      run(st);
+    }
+    return n;
+  };
   bool prefilled = false;
   if constexpr (kRing) {
     if (warp_ok) {
-      constexpr int kSteps = kivi_ring_steps(CPL);
-      const int whole = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;
-      const int n = whole / kSteps;
-      const int64_t c_off = c_warp * BITS / 32, g_off = c_warp / 32;
-      const uint32_t* c_tile = p.codes + b * p.c_sb + hkv * p.c_sh + c_off;
-      const uint16_t* s_tile = p.scales + b * p.s_sb + hkv * p.s_sh + g_off;
-      const uint16_t* z_tile = p.zeros + b * p.z_sb + hkv * p.z_sh + g_off;
-      if constexpr (CPL == 16) {
-        const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
-        KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
-                                                         p.s_sr, z_tile, p.z_sr, cols, lane);
-        ring_prologue(st);
-      } else {
-        KiviRing64Stream<BITS> st = kivi_ring64_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
-                                                             p.s_sr, z_tile, p.z_sr, lane);
-        ring_prologue(st);
-      }
+      ring_of([](auto& st) { ring_prologue(st); });
       prefilled = true;
     }
   }
@@ -366,14 +372,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
         kstep_compute<BITS, NT, CPL>(lc, s, z, frag, nks * 32, ls, k.dec, d);
       };
       int ks = rlane;
-      if constexpr (kRing) {  // the split's whole k-steps through the ring, kivi_ring_steps(CPL) per item
-        constexpr int kSteps = kivi_ring_steps(CPL);
-        const int whole = nfull > rlane ? (nfull - rlane + rw - 1) / rw : 0;  // the warp's whole k-steps
-        const int n = whole / kSteps;
-        const int64_t c_off = c_warp * BITS / 32, g_off = c_warp / 32;  // the tile's first word and group
-        const uint32_t* c_tile = p.codes + b * p.c_sb + hkv * p.c_sh + c_off;
-        const uint16_t* s_tile = p.scales + b * p.s_sb + hkv * p.s_sh + g_off;
-        const uint16_t* z_tile = p.zeros + b * p.z_sb + hkv * p.z_sh + g_off;
+      if constexpr (kRing) {  // the split's whole k-steps through the ring (ring_of), kSteps per item
         const KiviRingLane ln = kivi_ring_lane<BITS, CPL>(g, t);
         const auto consume = [&](int, const char* slot) {
 #pragma unroll
@@ -383,16 +382,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinCtasPerSm) gemv_kivi_kernel(c
             frag += rw * 32;
           }
         };
-        if constexpr (CPL == 16) {
-          const int cols = static_cast<int>(min(static_cast<int64_t>(CT), p.C - c_warp));
-          KiviRingStream<BITS> st = kivi_ring_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
-                                                           p.s_sr, z_tile, p.z_sr, cols, lane);
-          run_ring(st, consume, prefilled);
-        } else {
-          KiviRing64Stream<BITS> st = kivi_ring64_stream<BITS>(ring, n, r0 + 16 * rlane, rw, c_tile, p.c_sr, s_tile,
-                                                               p.s_sr, z_tile, p.z_sr, lane);
-          run_ring(st, consume, prefilled);
-        }
+        const int n = ring_of([&](auto& st) { run_ring(st, consume, prefilled); });
         prefilled = false;
         ks += n * kSteps * rw;
         cr += n * kSteps * c_step, ch += n * kSteps * c_step, sr += n * kSteps * s_step, zr += n * kSteps * z_step;
