@@ -14,6 +14,8 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
   fused rest 1 split   (compiled CUDA op only) with KVKERNELS_ATTENTION_REST_SPLITS=1: next to the tiles, the general
                   kernel walks the sink, the stores' edges and the tails in one split, as in the first GPU run (the
                   before of splitting them by about a group, 2026-11-28)
+  fused no prefetch   (compiled CUDA op only) with KVKERNELS_ATTENTION_PREFETCH=0: the store tiles without their L2
+                  prefetch of each warp's next step (the before of 2026-11-29)
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
 over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). A row whose calls a CUDA graph
 cannot capture falls back to eager timing (launch gaps and host time then count): it is printed with a WARNING
@@ -168,6 +170,7 @@ def step_rows(preset: str, batch: int, n: int, q, device, compile_step: bool) ->
 
 STORE_TILES_ENV = "KVKERNELS_ATTENTION_STORE_TILES"  # csrc/cuda/decode_attention.cu: "0" = general kernel only
 REST_SPLITS_ENV = "KVKERNELS_ATTENTION_REST_SPLITS"  # "1" = the rest next to the tiles in one split
+PREFETCH_ENV = "KVKERNELS_ATTENTION_PREFETCH"  # csrc/cuda/decode_attention_store.cu: "0" = no L2 prefetch in the tiles
 
 
 @contextlib.contextmanager
@@ -220,6 +223,7 @@ def run(args) -> list[dict]:
                 if device.type == "cuda" and ops.CUDA_IMPL.get("decode_attention_fused") == "cuda":
                     paths.append(("fused general", True, {STORE_TILES_ENV: "0"}))  # without the store-tile kernel
                     paths.append(("fused rest 1 split", True, {REST_SPLITS_ENV: "1"}))
+                    paths.append(("fused no prefetch", True, {PREFETCH_ENV: "0"}))
                 for path, fused, switches in paths:
                     with contextlib.ExitStack() as stack:
                         for name, value in switches.items():

@@ -65,10 +65,14 @@ def test_cuda_kernel_under_emulation(driver, which):
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")
     proc = subprocess.run([str(driver), which], capture_output=True, text=True, timeout=600, env=env)
     log = proc.stdout + proc.stderr
-    summary = re.search(r"cases (\d+) fails (\d+) shuffles_after_exit (\d+) bad_mask (\d+) bad_async_copies (\d+)", log)
+    summary = re.search(
+        r"cases (\d+) fails (\d+) shuffles_after_exit (\d+) bad_mask (\d+) bad_async_copies (\d+) prefetches (\d+)", log
+    )
     assert summary, f"no summary line (crash or sanitizer report?):\n{log[-6000:]}"
-    cases, fails, late_shuffles, bad_masks, bad_copies = map(int, summary.groups())
+    cases, fails, late_shuffles, bad_masks, bad_copies, prefetches = map(int, summary.groups())
     assert cases > 0
+    if which == "decode_attention_fused":  # the store tiles' L2 prefetches ran, each address checked by ASan
+        assert prefetches > 0, log[-6000:]
     # bad_copies: cp.async with a misaligned address or an invalid size, a fault on the GPU (tests/cuda_emu/emu.h)
     assert (fails, late_shuffles, bad_masks, bad_copies) == (0, 0, 0, 0), log[-6000:]
     assert proc.returncode == 0 and "runtime error" not in log and "ERROR: AddressSanitizer" not in log, log[-6000:]

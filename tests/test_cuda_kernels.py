@@ -1010,6 +1010,20 @@ def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, monkeypatch):
     assert (y.cpu() - y_general.cpu()).abs().max().item() > 1e-6
 
 
+@pytest.mark.parametrize("key,value", [STORE_TILE_PAIRS[0], KIVI_TILE_PAIRS[0]])
+def test_decode_attention_fused_store_tiles_prefetch_changes_nothing(key, value, monkeypatch):
+    # the tiles' L2 prefetch of each warp's next step is a hint: KVKERNELS_ATTENTION_PREFETCH=0 (read per call) must
+    # give the same bits. Split 320 tokens: several steps per warp, so the prefetching steps and the last one both run
+    kw = _attn_operands(2, 2, 128, S=3, mk=1000, mv=992, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
+                        x_scale=key[2] == "rows", seed=29)  # fmt: skip
+    x = torch.randn((2, 8, 1, 128), generator=_gen(13)) * 128**-0.5
+    dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    with_prefetch = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, split_tokens=320)
+    monkeypatch.setenv("KVKERNELS_ATTENTION_PREFETCH", "0")
+    without = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, split_tokens=320)
+    assert torch.equal(with_prefetch, without)
+
+
 @pytest.mark.parametrize("rest_splits", [None, "1"])
 @pytest.mark.parametrize("split_tokens", [0, 64])
 def test_decode_attention_fused_store_tiles_device_lengths(split_tokens, rest_splits, monkeypatch):

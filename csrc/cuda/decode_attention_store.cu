@@ -29,6 +29,7 @@
 #include <utility>
 
 #include "cuda/decode_attention.h"
+#include "kvkernels/async_copy.cuh"
 #include "kvkernels/gemv.cuh"
 #include "kvkernels/kivi_mma.cuh"
 #include "kvkernels/mma.cuh"
@@ -350,6 +351,10 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
 
 #pragma unroll 1
   for (int64_t f0 = lo + TOK * warp; f0 < hi; f0 += TOK * kWarps) {
+    // L2 prefetch of the warp's next step (below: its key rows with this step's, its value blocks with this step's), so
+    // that a step's loads wait for L2 instead of two dependent DRAM round trips (keys, then values after the softmax).
+    // Nothing stays live across the step: the addresses are this step's own pointers plus a constant.
+    const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
     // ---- scores of tokens f0 + 16 mt + g + 8 i ------------------------------------------------------------------
     float sc[NT][KM16][2];
 #pragma unroll
@@ -363,6 +368,15 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       const uint16_t* const sb = offset_rows(sa, 8u, kss);
       const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
       const uint16_t* const zb = kKZero ? offset_rows(za, 8u, kzs) : nullptr;
+      if (mt == 0 && prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step: ra + that - g
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+          const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
+          prefetch_l2(offset_rows(rowa, dr, kcs));
+          prefetch_l2(offset_rows(sa, dr, kss));
+          if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+        }
+      }
       float acc[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
@@ -484,6 +498,11 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       const uint16_t* const sb = offset_rows(vs_g, 16u * mt + 8u, vss);
       const uint16_t* const za = kVZero ? offset_rows(vz_g, 16u * mt, vzs) : nullptr;
       const uint16_t* const zb = kVZero ? offset_rows(vz_g, 16u * mt + 8u, vzs) : nullptr;
+      if (mt == 0 && prefetch_next) {  // the next step's first block of channels lane + 32 i = g + (lane - g + 32 i)
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i)
+          prefetch_l2(offset_rows(ca, static_cast<uint32_t>(lane - g) + 32u * i, vcs) + TOK * kWarps / kTile * VB);
+      }
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
         uint32_t Xa, Xha, Xb, Xhb;
@@ -610,6 +629,10 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
 
 #pragma unroll 1
   for (int64_t f0 = lo + TOK * warp; f0 < hi; f0 += TOK * kWarps) {
+    // L2 prefetch of the warp's next step, as in the InnerQ tiles: its key codes in every channel with this step's
+    // first key loads, its value rows (codes, scales, zeros) with this step's first value loads (a key channel's group
+    // scales and zeros span 64 groups a line: earlier steps have them in cache)
+    const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
     // ---- scores of tokens f0 + 8g + j, j = 0 .. 7 -------------------------------------------------------------------
     const uint32_t kw = static_cast<uint32_t>(f0 / 32) * KB;                              // the step's first word
     const uint32_t kg = block_group(static_cast<uint32_t>((f0 + KCPL * g) / 32), L.v_bpg_magic);  // token group
@@ -622,6 +645,11 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
     for (int ks = 0; ks < KS; ++ks) {
       LaneCodes<KB, KCPL> lc[4];
       uint16_t sk[4], zk[4];
+      if (ks == 0 && prefetch_next) {  // channel 4t + (g & 3) + 16 (g >> 2) + 32 i: every channel once, offset >= 0
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i)
+          prefetch_l2(offset_rows(kc_t, (g & 3) + 16u * (g >> 2) + 32u * i, kcs) + kw + TOK * kWarps / 32 * KB);
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_t, 16u * ks + j, kcs) + kw, nullptr);
@@ -684,6 +712,15 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
     for (int vs = 0; vs < VS; ++vs) {
       LaneCodes<VB, VCPL> lc[4];
       uint16_t sv[4], zv[4];
+      if (vs == 0 && prefetch_next) {  // rows f0 + TOK kWarps + 8t + g + 32 j: each once, offset >= 0 from row0
+#pragma unroll
+        for (int j = 0; j < TOK / 32; ++j) {
+          const uint32_t dr = TOK * kWarps + 32u * j + 4u * t + g;
+          prefetch_l2(offset_rows(offset_rows(vc_b, row0, vcs), dr, vcs));
+          prefetch_l2(offset_rows(offset_rows(vs_b, row0, vss), dr, vss));
+          prefetch_l2(offset_rows(offset_rows(vz_b, row0, vzs), dr, vzs));
+        }
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t row = row0 + 16u * vs + j;
@@ -808,9 +845,14 @@ bool store_tiles_supported(const DecodeAttentionParams& p) {
   return true;
 }
 
+// KVKERNELS_ATTENTION_PREFETCH=0 turns the store tiles' L2 prefetch off, so a benchmark can time both in one process
+// (bench/attention_step.py); read per plan, a getenv beside a launch. Same results.
+bool store_tiles_prefetch() { return !env_equals("KVKERNELS_ATTENTION_PREFETCH", "0"); }
+
 bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesLaunch& L) {
   const int64_t gq = p.H_q / p.H_kv, R = gq * p.T;
   L.nt = R <= 4 ? 1 : 2;
+  L.prefetch = store_tiles_prefetch();
   const StoreKernel fn = store_kernel(p, L.nt);
   if (fn == nullptr) return false;
   L.gq = static_cast<int>(gq);

@@ -5,8 +5,9 @@
 // (decode_attention_fused against a double-precision softmax(x K^T + mask) V), `all`
 // (every one, the CI set), `tests [num_sms]` (the shapes of tests/test_cuda_kernels.py at a given SM count;
 // minutes, manual).
-// Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K bad_async_copies A`;
-// exits 1 on a failure or a cp.async the GPU would refuse (emu.h).
+// Prints one line per case and a summary `cases N fails F shuffles_after_exit S bad_mask K bad_async_copies A
+// prefetches P` (L2 prefetches, each address checked by AddressSanitizer: emu.h); exits 1 on a failure or a cp.async
+// the GPU would refuse (emu.h).
 #include "emu.h"
 #include "cuda/kernels.h"
 #include "cuda/decode_attention.h"
@@ -1617,7 +1618,8 @@ int main(int argc, char** argv) {
       kivi_case(s.B, s.Hq, s.Hkv, T ? T : 1, T != 0, s.M, s.L, bits, G, XDtype::kF16, bits==2?8:0, 0, sms);
     }
   }
-  printf("cases %ld fails %ld shuffles_after_exit %ld bad_mask %ld bad_async_copies %ld\n", res.cases, res.fails,
-         kvk_emu::shuffles_after_exit.load(), kvk_emu::bad_mask.load(), kvk_emu::bad_async_copies.load());
+  printf("cases %ld fails %ld shuffles_after_exit %ld bad_mask %ld bad_async_copies %ld prefetches %ld\n", res.cases,
+         res.fails, kvk_emu::shuffles_after_exit.load(), kvk_emu::bad_mask.load(), kvk_emu::bad_async_copies.load(),
+         kvk_emu::prefetches.load());
   return res.fails != 0 || kvk_emu::bad_async_copies.load() != 0;
 }

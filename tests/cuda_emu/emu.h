@@ -42,7 +42,7 @@ inline thread_local dim3 t_bdim, t_gdim;
 inline thread_local Block* t_blk;
 inline std::atomic<long> traps{0};  // __trap() of a kernel (a device-side abort on a GPU)
 inline void trap() { traps++; }
-inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0}, ldsm_misaligned{0}, bad_async_copies{0};
+inline std::atomic<long> shuffles_after_exit{0}, bad_mask{0}, mmas{0}, ldsm_misaligned{0}, bad_async_copies{0}, prefetches{0};
 inline size_t cur_smem = 0;
 inline cudaError_t last_err = cudaSuccess;
 
@@ -190,6 +190,13 @@ inline void cp_async_wait(int n) {
     }
     t_async_groups.erase(t_async_groups.begin());
   }
+}
+// prefetch.global.L2 (async_copy.cuh): no data moves; reading one byte lets AddressSanitizer check that the address
+// lies inside an allocation, as the kernels promise (a prefetch out of bounds is a bug even where it does not fault).
+inline void prefetch_l2(const void* p) {
+  volatile char c = *static_cast<const volatile char*>(p);
+  (void)c;
+  prefetches++;
 }
 inline unsigned atomic_max_u32(unsigned* p, unsigned v) {
   unsigned old = __atomic_load_n(p, __ATOMIC_RELAXED);
