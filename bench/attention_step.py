@@ -2,9 +2,11 @@
 in the same run.
 
     python bench/attention_step.py [--device cpu|cuda] [--tokens 1024 4096 ...] [--batch 1 8] [--presets ...]
-                                   [--q-len 1] [--no-steps | --steps-tokens 32768 ...] [--json out.json]
+                                   [--q-len 1] [--query-heads 32] [--no-steps | --steps-tokens 32768 ...]
+                                   [--json out.json]
 
-Shape: Llama-3.1-8B's attention layer (32 query heads on 8 KV heads, head_dim 128), a cache prefilled with N random
+Shape: Llama-3.1-8B's attention layer (32 query heads on 8 KV heads, head_dim 128; --query-heads 64 makes it GQA 8, as
+Llama-3-70B's layers, whose fused tiles run 8 query rows a CTA), a cache prefilled with N random
 tokens (the quantized formats' windows as their presets set them). Rows per (preset, batch, N):
   sdpa fp16   torch SDPA (enable_gqa) over the same N tokens as one fp16 K/V tensor: what an fp16 cache costs
   composed    kvkernels.decode_attention(fused_op=False): window matmuls + the two quantized GEMVs + softmax, ~8-10 ops
@@ -197,7 +199,7 @@ def run(args) -> list[dict]:
     for n in args.tokens:
         for batch in args.batch:
             g = torch.Generator(device="cpu").manual_seed(n + batch)
-            q = torch.randn(batch, H_Q, args.q_len, D, generator=g).to(device, torch.float16)
+            q = torch.randn(batch, args.query_heads, args.q_len, D, generator=g).to(device, torch.float16)
             kv_bytes = 2 * batch * H_KV * n * D * 2
             n_rot = bench.rotation_count(kv_bytes, l2) if device.type == "cuda" else 1
             dense = [
@@ -271,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--presets", nargs="+", default=["innerq_base", "kivi2"])
     p.add_argument("--q-len", type=int, default=1)
+    p.add_argument("--query-heads", type=int, default=H_Q,
+                   help=f"query heads on the {H_KV} KV heads (64: GQA 8, the fused tiles' 8-row kernels)")  # fmt: skip
     p.add_argument("--json", default=None)
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-decode-step rows")
     p.add_argument("--steps-tokens", type=int, nargs="+", default=None,
@@ -278,6 +282,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.tokens is None:
         args.tokens = [1024, 4096, 16384, 65536, 131072] if args.device.startswith("cuda") else [1024, 4096]
+    if args.query_heads < H_KV or args.query_heads % H_KV:
+        p.error(f"--query-heads must be a positive multiple of the {H_KV} KV heads, got {args.query_heads}")
     unknown = [name for name in args.presets if name not in PRESETS]
     if unknown:
         p.error(f"unknown preset(s) {unknown}")

@@ -492,7 +492,8 @@ def bytes_per_iteration(s: Spec, group_size: int = 32) -> float:
         return 16 * 4 * (32 * s.bits / 8 + params * 32 / group_size)
     if s.family in ATTN_TILES:  # one warp step: keys and values of the step's tokens (D channels each)
         # tok_per_step / kKiviTok in csrc/cuda/decode_attention_store.cu
-        tok = 32 if s.family == "attn_store" and s.dim == 128 and s.ntiles == 2 else 64
+        narrow = s.family == "attn_store" and s.dim == 128 and s.ntiles == 2 and (s.mode != "sym" or s.vmode != "sym")
+        tok = 32 if narrow else 64
         kparams = 2 + (0 if s.mode == "sym" else 2)
         vparams = 2 + (0 if s.vmode == "sym" else 2)
         keys = tok * (s.dim * s.bits / 8 + kparams * s.dim / group_size)
@@ -588,8 +589,9 @@ KNOWN_OVER: dict[tuple, float] = {
     # warp instructions a step, ~10-40 with their addresses), a latency lever the model does not see; the
     # attention stage's `fused no prefetch` rows (KVKERNELS_ATTENTION_PREFETCH=0) are the before on a GPU.
     # decode_attention_fused's store tiles (family, key bits, mode, value bits, mode, query rows, head_dim, loop): one
-    # warp step of 64 tokens (32 at 8 rows x head_dim 128) decodes keys and values (3 bits: 2 instructions per value)
-    # and adds the online softmax, the p staging and the rescale of the accumulators, which the GEMVs do not have; at
+    # warp step of 64 tokens (32 at 8 rows x head_dim 128 unless both sym) decodes keys and values (3 bits: 2
+    # instructions per value) and adds the online softmax, the p staging and the rescale of the accumulators, which the
+    # GEMVs do not have; at
     # head_dim 64 that fixed work weighs twice as much per byte, 8 query rows double the MMAs and folds, 1 bit pays a
     # scale and a zero per 32 values. innerq_base / innerq_small at head_dim 128, 4 rows, and every 4-bit row are
     # within the budget.
@@ -599,10 +601,11 @@ KNOWN_OVER: dict[tuple, float] = {
     ("attn_store", 3, "sym", 2, "sym", 4, 64, "steady state"): 11.1,
     ("attn_store", 3, "sym", 2, "hybrid", 4, 64, "steady state"): 12.0,
     ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 16.6,
-    # 12.6 / 13.0 until the query staging and the warps' merge became functions shared with the KIVI tiles (same
-    # source; ptxas allocates these 215-register loops differently: +0.2 here, -0.1 to -0.2 on four other rows)
-    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 13.0,
-    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 13.7,
+    # 8 rows at head_dim 128 with sym keys and values: 13.0 / 13.7 in 32-token steps, 11.5 / 11.7 in 64-token steps
+    # since 2026-11-29 (P's fragments in lane-private shared memory, packed score rows: no spill at 255 registers); asym
+    # keys and hybrid values keep 32-token steps (tok_per_step: 64 spilled, in the loop on sm_90 / on sm_80 and sm_87)
+    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 11.5,
+    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 11.7,
     ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 14.4,
     ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 20.4,
     ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 14.0,

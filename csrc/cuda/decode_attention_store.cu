@@ -43,23 +43,40 @@ constexpr int kTile = 32;
 constexpr float kPScale = 16384.f;  // p * 2^14 in the B fragments (p <= 1: at most 2^14, far below fp16's max)
 constexpr int64_t kMinSplitTokens = 512;  // 2 steps per warp: the prologue and the merge stay small
 
-// The InnerQ tiles' shared memory (floats, all parts 16-byte aligned): staged queries [QR][D]; sum of each 32-channel block of a staged row [QR][D / 32]; 2^-e per
-// row [QR] (padded to 4); per warp the step's p * 2^14 [QR][TOK]; per warp its partial output [QR][D] and (m, l) [QR][2].
-// Tokens per warp step and resident CTAs (the register cap): a step of 64 halves the softmax, rescale and value
-// addressing per token; with 8 query rows at head_dim 128 it would need more than 255 registers. Head_dim 64 at 4 rows
-// fits 3 CTAs (168 registers); the others run 2 (8 warps per SM, each with a whole step's loads in flight). The
-// trade between fewer instructions and fewer warps is the static model's choice, not yet measured on a GPU.
-__host__ __device__ constexpr int tok_per_step(int D, int NT) { return D == 128 && NT == 2 ? 32 : 64; }
+// The InnerQ tiles' shared memory (floats, all parts 16-byte aligned): staged queries [QR][D]; sum of each 32-channel
+// block of a staged row [QR][D / 32]; 2^-e per row [QR] (padded to 4); per warp the step's p * 2^14 [QR][TOK]; per warp
+// its partial output [QR][D] and (m, l) [QR][2].
+// Tokens per warp step: 64, which halves the softmax, rescale and value addressing per token against 32, except with
+// 8 query rows at head_dim 128 and keys with zero points (their per-block query sums and zero rows: ~16 registers
+// more) or values with zero points (hybrid: their per-block sums of p and zero rows), where a 64-token step spills at
+// 255 registers (asym keys inside the loop on sm_90, hybrid values on sm_80 / sm_87: sass_budget and nvcc_check,
+// 2026-11-29).
+// Resident CTAs (the register cap): head_dim 64 at 4 rows fits 3 CTAs (168 registers); the others run 2 (8 warps per
+// SM, each with a whole step's loads in flight). The trade between fewer instructions and fewer warps is the static
+// model's choice, not yet measured on a GPU.
+__host__ __device__ constexpr int tok_per_step(int D, int NT, QuantMode KM, QuantMode VM) {
+  return D == 128 && NT == 2 && (KM != QuantMode::kSym || VM != QuantMode::kSym) ? 32 : 64;
+}
 __host__ __device__ constexpr int store_min_ctas(int D, int NT) { return D == 64 && NT == 1 ? 3 : 2; }
+// Where a step's P.V B fragments wait for the value MMAs: in registers, or, in 64-token steps with 8 query rows at
+// head_dim 128 (sym keys and values), in lane-private slots of shared memory (each lane reads back only what it wrote:
+// no barrier). Held in registers there they spilled to local memory inside the step loop (255 registers); until
+// 2026-11-29 those instantiations took 32-token steps instead (innerq_base 13.0 instructions per byte against 11.5
+// now, sass_budget).
+__host__ __device__ constexpr bool pf_in_smem(int D, int NT, QuantMode KM, QuantMode VM) {
+  return D == 128 && NT == 2 && tok_per_step(D, NT, KM, VM) == 64;
+}
 
-__host__ __device__ constexpr int store_smem_floats(int D, int QR) {
-  return QR * D + QR * (D / 32) + ((QR + 3) / 4) * 4 + kWarps * QR * tok_per_step(D, QR / 4) + kWarps * QR * D +
-         kWarps * QR * 2;
+__host__ __device__ constexpr int store_smem_floats(int D, int QR, QuantMode KM, QuantMode VM) {
+  return QR * D + QR * (D / 32) + ((QR + 3) / 4) * 4 + kWarps * QR * tok_per_step(D, QR / 4, KM, VM) +
+         kWarps * QR * D + kWarps * QR * 2;
 }
 // After the floats: the key MMAs' B fragments [NT][D / 32][32 lanes] (uint4; read back per block and m-tile, which
-// costs fewer instructions than the spills 16-32 more live registers caused at head_dim 128).
-__host__ __device__ constexpr int store_smem_bytes(int D, int QR) {
-  return store_smem_floats(D, QR) * 4 + (QR / 4) * (D / 32) * 32 * 16;
+// costs fewer instructions than the spills 16-32 more live registers caused at head_dim 128), then (pf_in_smem) per
+// warp the P.V B fragments [NT][TOK / 32][32 lanes] (uint4).
+__host__ __device__ constexpr int store_smem_bytes(int D, int QR, QuantMode KM, QuantMode VM) {
+  return store_smem_floats(D, QR, KM, VM) * 4 + (QR / 4) * (D / 32) * 32 * 16 +
+         (pf_in_smem(D, QR / 4, KM, VM) ? kWarps * (QR / 4) * (tok_per_step(D, QR / 4, KM, VM) / 32) * 32 * 16 : 0);
 }
 
 // Canonical words of one key row's D / 32 blocks for thread t (bits 3: the whole row with 8-byte loads, the caller
@@ -154,6 +171,8 @@ struct ScoreRows {
   int64_t limit[NT];
   bool live[NT];  // a row of the CTA's (rows past nr: every score -inf)
   float m_run[NT], l_run[NT];
+  __device__ __forceinline__ const float* mask_row(int nt) const { return mrow[nt]; }
+  __device__ __forceinline__ int64_t limit_of(int nt) const { return limit[nt]; }
 };
 
 template <int NT>
@@ -172,6 +191,29 @@ __device__ __forceinline__ ScoreRows<NT> score_rows(const DecodeAttentionParams&
     rows.l_run[nt] = 0.f;
   }
   return rows;
+}
+
+// The same rows in one 64-bit word each, whichever of the mask row's address and the causal limit the call uses
+// (p.mask != nullptr: CTA-uniform), two registers less a row: the InnerQ tiles' 64-token steps with 8 query rows at
+// head_dim 128 spilled inside the loop without that (255 registers).
+template <int NT>
+struct PackedScoreRows {
+  int64_t sel[NT];
+  bool live[NT];
+  float m_run[NT], l_run[NT];
+  __device__ __forceinline__ const float* mask_row(int nt) const { return reinterpret_cast<const float*>(sel[nt]); }
+  __device__ __forceinline__ int64_t limit_of(int nt) const { return sel[nt]; }
+};
+
+template <int NT>
+__device__ __forceinline__ PackedScoreRows<NT> packed(const ScoreRows<NT>& r, bool masked) {
+  PackedScoreRows<NT> q;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    q.sel[nt] = masked ? reinterpret_cast<int64_t>(r.mrow[nt]) : r.limit[nt];
+    q.live[nt] = r.live[nt], q.m_run[nt] = r.m_run[nt], q.l_run[nt] = r.l_run[nt];
+  }
+  return q;
 }
 
 struct StepMax {
@@ -270,11 +312,9 @@ __device__ __forceinline__ void merge_warps(const DecodeAttentionParams& p, cons
   }
 }
 
-// TOK: tokens per warp step, 32 or 64 (tok_per_step); a step of 64 halves the softmax, rescale and value-addressing
-// work per token, at the cost of registers.
 template <int D, int NT, int KB, QuantMode KM, int VB, QuantMode VM>
 __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
-  constexpr int TOK = tok_per_step(D, NT), KT = TOK / 32, KM16 = TOK / 16;
+  constexpr int TOK = tok_per_step(D, NT, KM, VM), KT = TOK / 32, KM16 = TOK / 16;
   constexpr int QR = 4 * NT, NB = D / 32, MT = D / 16;
   constexpr int KOFF = decode_offset<KB, KM>(), VOFF = decode_offset<VB, VM>();
   constexpr bool kKZero = KM != QuantMode::kSym, kVZero = VM != QuantMode::kSym;
@@ -286,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   float* const om = ps_all + kWarps * QR * TOK;        // [kWarps][QR][D]
   float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
   uint4* const qf = reinterpret_cast<uint4*>(ml + kWarps * QR * 2);  // [NT][NB][32]
+  constexpr bool kPfSmem = pf_in_smem(D, NT, KM, VM);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
@@ -325,7 +366,12 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const uint4* const qfl = qf + lane;
 
   // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
-  ScoreRows<NT> rows = score_rows<NT>(p, L, c, t);
+  const bool masked = p.mask != nullptr;
+  // the packed form where the 64-token steps need its registers (kPfSmem); elsewhere ptxas lays the plain one out better
+  auto rows = [&] {
+    if constexpr (kPfSmem) return packed(score_rows<NT>(p, L, c, t), masked);
+    else return score_rows<NT>(p, L, c, t);
+  }();
 
   // Addressing: 64-bit bases of the (b, h_kv) slices, rows reached by one mad.wide.u32 each (offset_rows) with the
   // row strides in bytes as 32-bit numbers (store_tiles_supported: every slice spans < 2^32 bytes). Value rows are
@@ -342,6 +388,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const uint16_t* const vz_g = kVZero ? offset_rows(V.zeros + b * V.z_sb + hk * V.z_sh, static_cast<uint32_t>(g), vzs) : nullptr;
   const uint32_t sel_lo = sel_bytes(2 * t, 2 * t + 1), sel_hi = sel_bytes(t, t);
   float* const ps = ps_all + warp * QR * TOK;
+  uint4* const pfs = qf + NT * NB * 32 + warp * NT * KT * 32 + lane;  // [kWarps][NT][KT][32] (kPfSmem)
 
   float o[NT][MT][2];
 #pragma unroll
@@ -414,14 +461,14 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       // (a pointer into sc) ptxas allocated this loop differently, +0.1-0.5 instructions per byte on 12 of the 20
       // instantiations (sass_budget, 2026-11-27)
       float tmax = -INFINITY;
-      if (rows.mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
-        const float* mj = rows.mrow[nt] + (S + f0 + g);
+      if (kPfSmem ? masked : rows.mask_row(nt) != nullptr) {  // caller's mask (CTA-uniform); rows past nr stay -inf
+        const float* mj = rows.mask_row(nt) + (S + f0 + g);
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
 #pragma unroll
           for (int i = 0; i < 2; ++i) sc[nt][mt][i] = rows.live[nt] ? sc[nt][mt][i] + __ldg(mj + 16 * mt + 8 * i) : -INFINITY;
       } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
-        const int lim = rows.live[nt] ? static_cast<int>(min(max(rows.limit[nt] - (S + f0), int64_t{-1}), int64_t{TOK})) : -1;
+        const int lim = rows.live[nt] ? static_cast<int>(min(max(rows.limit_of(nt) - (S + f0), int64_t{-1}), int64_t{TOK})) : -1;
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
 #pragma unroll
@@ -471,7 +518,8 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       for (int mt = 0; mt < MT; ++mt) o[nt][mt][0] *= alpha, o[nt][mt][1] *= alpha;
     }
     __syncwarp();
-    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1
+    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (pf_in_smem: into
+    // this lane's slots of pfs, read back by this lane only)
     uint4 pf[NT][KT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -480,7 +528,8 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
         const float* src = ps + (4 * nt + (g >> 1)) * TOK + 32 * kb + 8 * t;
         const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
         const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        pf[nt][kb] = b_fragment(v, part);
+        if constexpr (kPfSmem) pfs[(nt * KT + kb) * 32] = b_fragment(v, part);
+        else pf[nt][kb] = b_fragment(v, part);
       }
 
     // ---- P.V: the value store's blocks f0 / 32 + kb of channels 16 mt + g (+ 8) ---------------------------------
@@ -516,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           float d[4];
-          block_mma2(d, ha, hb, pf[nt][kb]);
+          block_mma2(d, ha, hb, kPfSmem ? pfs[(nt * KT + kb) * 32] : pf[nt][kb]);
           if constexpr (kVZero) {
             o[nt][mt][0] = fmaf(fa.s, d[0] + d[1], fmaf(fa.zeff, psum[nt][kb], o[nt][mt][0]));
             o[nt][mt][1] = fmaf(fb.s, d[2] + d[3], fmaf(fb.zeff, psum[nt][kb], o[nt][mt][1]));
@@ -821,7 +870,7 @@ StoreKernel store_kernel(const DecodeAttentionParams& p, int nt) {
 }
 
 int smem_bytes(const DecodeAttentionParams& p, int nt) {
-  return kivi_layouts(p) ? kivi_smem_bytes(p.D, 4 * nt) : store_smem_bytes(p.D, 4 * nt);
+  return kivi_layouts(p) ? kivi_smem_bytes(p.D, 4 * nt) : store_smem_bytes(p.D, 4 * nt, p.keys.mode, p.values.mode);
 }
 
 }  // namespace

@@ -1234,6 +1234,17 @@ void attn_cases() {
   // tokens, in 32-token splits
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.H_q = 8; a.H_kv = 1; a.B = 1; a.S = 0; a.mk = 256;
     a.mv = 256; a.ntk = 0; a.xscale = true; a.mask_kind = 1; a.num_sms = 2; attn_case(a); }  // 8 rows, empty remainder
+  // 8 rows at head_dim 128, several steps per warp: sym keys and values take 64-token steps with P's fragments in
+  // shared memory (each step reusing its slots) and the packed score rows (2026-11-29; causal T = 2 with device
+  // lengths, and planned splits); hybrid values keep 32-token steps (a caller's mask)
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.H_q = 8; a.H_kv = 1;
+    a.B = 1; a.S = 3; a.mk = 1024; a.mv = 992; a.ntk = 41; a.xscale = true; a.mask_kind = 1; a.num_sms = 2;
+    attn_case(a); }                                                                                    // hybrid
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.H_q = 8; a.H_kv = 2; a.T = 2; a.S = 1;
+    a.mk = 800; a.mv = 768; a.ntk = 33; a.xscale = true; a.dev_lengths = true; a.extra[1] = 64; a.extra[3] = 128;
+    attn_case(a); }                                                                                    // innerq_base
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = 3; a.vbits = 2; a.H_q = 8; a.H_kv = 1; a.B = 2; a.S = 0;
+    a.mk = 640; a.mv = 640; a.ntk = 0; a.split_tokens = 256; a.expect_splits = 4; attn_case(a); }      // small
   // 64-token steps at head_dim 128 (4 rows): asym and hybrid values (a zero term per 32-token block), G 32 and 64
   { AttnCase a; a.D = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym; a.H_q = 4; a.H_kv = 1; a.S = 1;
     a.mk = 392; a.mv = 384; a.ntk = 5; a.split_tokens = 128; a.expect_splits = 4; a.mask_kind = 1; attn_case(a); }
