@@ -585,8 +585,8 @@ KNOWN_OVER: dict[tuple, float] = {
     # went 10.0 (30 %) -> 9.8 (100 %)
     ("kivi", 1, "asym", 4, 8, "steady state"): 11.9,
     ("kivi", 1, "asym", 8, 8, "steady state"): 14.0,
-    # decode_attention_fused's tiles below: +0.1-1.2 since their L2 prefetch of each warp's next step (2026-11-29: 2-5
-    # warp instructions a step, ~10-40 with their addresses), a latency lever the model does not see; the
+    # decode_attention_fused's tiles below: +0.1-1.2 since their L2 prefetch of each warp's next step (2026-11-29: 6-10
+    # warp instructions a step, ~10-100 with their addresses), a latency lever the model does not see; the
     # attention stage's `fused no prefetch` rows (KVKERNELS_ATTENTION_PREFETCH=0) are the before on a GPU.
     # decode_attention_fused's store tiles (family, key bits, mode, value bits, mode, query rows, head_dim, loop): one
     # warp step of 64 tokens (32 at 8 rows x head_dim 128 unless both sym) decodes keys and values (3 bits: 2

@@ -3,9 +3,9 @@
 // hold the token, F = min(mk, mv) rounded down to 64 (decode_attention.h). decode_attention.cu runs everything else
 // (sink, store edges, tails, other layouts) with its general kernel and merges both kernels' partials.
 //
-// CTA = (b, h_kv, row block of 4 NT query rows, split of the store tokens), 4 warps. Each warp walks its own 32-token
-// tiles (tiles w, w + 4, ... of the split) with its own online softmax, and the CTA merges the 4 warps' partials at
-// the end, so no barrier runs inside the tile loop. Per tile and warp:
+// CTA = (b, h_kv, row block of 4 NT query rows, split of the store tokens), 4 warps. Each warp walks its own steps of
+// TOK = 64 (or 32: tok_per_step) tokens (steps w, w + 4, ... of the split) with its own online softmax, and the CTA
+// merges the 4 warps' partials at the end, so no barrier runs inside the step loop. Per step and warp (32-token blocks):
 //   scores  S[j, r] = sum_c K[j, c] q'[r, c]: m16n8k16 MMAs with A = 16 key rows x 16 channels (codes decoded two per
 //           LOP3 + HFMA2 to exact fp16 integers, mma.cuh) and B = the query rows as hi / lo fp16 pairs (8 columns =
 //           4 rows x (hi, lo)), q' = x * key_x_scale * 2^e per row; each 32-channel block's fp32 result is folded

@@ -1241,10 +1241,11 @@ void attn_cases() {
     a.B = 1; a.S = 3; a.mk = 1024; a.mv = 992; a.ntk = 41; a.xscale = true; a.mask_kind = 1; a.num_sms = 2;
     attn_case(a); }                                                                                    // hybrid
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.H_q = 8; a.H_kv = 2; a.T = 2; a.S = 1;
-    a.mk = 800; a.mv = 768; a.ntk = 33; a.xscale = true; a.dev_lengths = true; a.extra[1] = 64; a.extra[3] = 128;
-    attn_case(a); }                                                                                    // innerq_base
+    a.mk = 800; a.mv = 768; a.ntk = 33; a.xscale = true; a.dev_lengths = true; attn_case(a); }         // innerq_base
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = 3; a.vbits = 2; a.H_q = 8; a.H_kv = 1; a.B = 2; a.S = 0;
-    a.mk = 640; a.mv = 640; a.ntk = 0; a.split_tokens = 256; a.expect_splits = 4; attn_case(a); }      // small
+    a.mk = 1024; a.mv = 1024; a.ntk = 0; a.split_tokens = 512; a.expect_splits = 3; attn_case(a); }    // small
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.H_q = 6; a.H_kv = 1; a.B = 1; a.S = 2;
+    a.mk = 768; a.mv = 768; a.ntk = 17; a.xscale = true; a.split_tokens = 256; attn_case(a); }  // 6 rows in a CTA of 8
   // 64-token steps at head_dim 128 (4 rows): asym and hybrid values (a zero term per 32-token block), G 32 and 64
   { AttnCase a; a.D = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym; a.H_q = 4; a.H_kv = 1; a.S = 1;
     a.mk = 392; a.mv = 384; a.ntk = 5; a.split_tokens = 128; a.expect_splits = 4; a.mask_kind = 1; attn_case(a); }
