@@ -461,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       // (a pointer into sc) ptxas allocated this loop differently, +0.1-0.5 instructions per byte on 12 of the 20
       // instantiations (sass_budget, 2026-11-27)
       float tmax = -INFINITY;
-      if (kPfSmem ? masked : rows.mask_row(nt) != nullptr) {  // caller's mask (CTA-uniform); rows past nr stay -inf
+      if (masked) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
         const float* mj = rows.mask_row(nt) + (S + f0 + g);
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
@@ -765,9 +765,9 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
 #pragma unroll
         for (int j = 0; j < TOK / 32; ++j) {
           const uint32_t dr = TOK * kWarps + 32u * j + 4u * t + g;
-          prefetch_l2(offset_rows(offset_rows(vc_b, row0, vcs), dr, vcs));
-          prefetch_l2(offset_rows(offset_rows(vs_b, row0, vss), dr, vss));
-          prefetch_l2(offset_rows(offset_rows(vz_b, row0, vzs), dr, vzs));
+          prefetch_l2(offset_rows(vc_b, row0 + dr, vcs));
+          prefetch_l2(offset_rows(vs_b, row0 + dr, vss));
+          prefetch_l2(offset_rows(vz_b, row0 + dr, vzs));
         }
       }
 #pragma unroll
