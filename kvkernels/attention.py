@@ -37,6 +37,13 @@ import torch
 from . import ops
 
 ATTENTION_ENV = "KVKERNELS_ATTENTION"
+# decode_attention_fused's arguments after x, in its schema's order, as QuantizedLayerCache.fused_attention_operands
+# names them (attn_mask, split_tokens, lengths, q_scale, out_dtype follow)
+FUSED_OPERANDS = (
+    "sink_keys", "sink_values", "key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros",
+    "key_tail", "value_tail", "key_bits", "key_mode", "key_layout", "value_bits", "value_mode", "value_layout",
+    "group_size", "key_x_scale",
+)  # fmt: skip
 _POLICIES = ("auto", "fused", "composed")
 
 
@@ -181,8 +188,10 @@ def decode_attention(
     if operands is not None:
         mask = _additive_mask(attn_mask, B, H_q, T, N)
         # the op scales q in fp32 and returns q.dtype: the same arithmetic as q.to(fp32) * scale in, .to(q.dtype) out,
-        # without those three elementwise kernels around it
-        return ops.decode_attention_fused(q, **operands, attn_mask=mask, q_scale=scale, out_dtype=q.dtype)
+        # without those three elementwise kernels around it. The cache built the operands and q is checked above, so
+        # the op's own validation is the only one (ops.unchecked: the wrapper's would repeat it on every step)
+        args = [operands[name] for name in FUSED_OPERANDS]
+        return ops.unchecked("decode_attention_fused")(q, *args, mask, 0, None, scale, q.dtype)
 
     x = q.to(torch.float32) * scale  # [B, H_q, T, D]
     scores = torch.cat(

@@ -273,6 +273,18 @@ if HAS_C:
 # Public wrappers. Each validates (with a device sync only where documented) and calls the dispatcher op.
 
 
+def unchecked(op: str):
+    """torch.ops.kvkernels.<op>.default, for kvkernels' own per-step callers whose arguments are valid by
+    construction (a layer cache's buffers and views, queries its attention already checked).
+
+    Every kernel of an op validates its arguments itself (the C++ ops, and the Python-registered ones through
+    _checked), so the public wrappers' pre-check is a second pass over the same metadata: ~10-15 us of host time per
+    call in Python, paid per layer and decode step on the dynamic path (QuantStore.write, decode_attention). The
+    wrappers keep it for users, whose arguments may be wrong, and for the data checks (check_values)."""
+    require_c(op)
+    return getattr(torch.ops.kvkernels, op).default
+
+
 def pack_bits(codes: torch.Tensor, bits: int, check_range: bool = True) -> torch.Tensor:
     """Pack integer codes [..., N] (N % 32 == 0, values in [0, 2^bits)) into int32 words [..., N*bits/32].
 

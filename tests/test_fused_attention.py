@@ -108,12 +108,22 @@ def test_fused_op_true_on_a_format_that_cannot_raises():
     c.attention(_q(1, 2, 1, 64))  # the default composes
 
 
+def _count_fused_op_calls(monkeypatch) -> list:
+    """A list that gets a 1 each time decode_attention runs the fused op (which it takes through ops.unchecked)."""
+    calls, real = [], ops.unchecked
+
+    def spy(op):
+        fn = real(op)
+        return (lambda *a, **k: calls.append(1) or fn(*a, **k)) if op == "decode_attention_fused" else fn
+
+    monkeypatch.setattr(ops, "unchecked", spy)
+    return calls
+
+
 def test_policy_env(monkeypatch):
     c = _filled("kivi2", N=60, prefill=60)
     q = _q(2, 4, 1, 64)
-    calls = []
-    real = ops.decode_attention_fused
-    monkeypatch.setattr(ops, "decode_attention_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_fused_op_calls(monkeypatch)
     c.attention(q)
     assert calls == []  # auto: CPU composes
     monkeypatch.setenv(attention.ATTENTION_ENV, "fused")
@@ -300,14 +310,39 @@ def test_head_dims_the_serving_kernel_refuses_compose(monkeypatch):
     c = _filled("kivi2", N=60, prefill=60)
     q = _q(2, 4, 1, 64)
     monkeypatch.setenv(attention.ATTENTION_ENV, "fused")
-    calls = []
-    real = ops.decode_attention_fused
-    monkeypatch.setattr(ops, "decode_attention_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_fused_op_calls(monkeypatch)
     monkeypatch.setattr(ops, "fused_attention_takes", lambda device, head_dim: False)
     c.attention(q)
     assert calls == []
     c.attention(q, fused_op=True)  # asked for explicitly: the op runs (and would raise where it cannot)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("preset", ["innerq_base", "kivi2", "xquant_1.38"])
+def test_a_decode_step_checks_its_arguments_once(monkeypatch, preset):
+    """append + attention (fused and composed) reach each op through ops.unchecked: the op's own kernel validates the
+    arguments (here the reference's, through _checked, whose checks were bound at registration), and the public
+    wrappers' Python pre-checks, a second pass over the same metadata, stay out of the per-layer, per-step path
+    (~25 us of host time a step, docs/ARCHITECTURE.md "How an op is dispatched"). The wrappers still check."""
+    counts = []
+    for name in ("check_quantize_into", "check_decode_attention_fused", "check_gemv_inner_q", "check_gemv_kivi"):
+        real = getattr(kvkernels._validate, name)
+        spy = lambda *a, _r=real, _n=name, **k: counts.append(_n) or _r(*a, **k)  # noqa: E731
+        monkeypatch.setattr(kvkernels._validate, name, spy)
+    g = torch.Generator().manual_seed(3)
+    model = ModelKVCache(PRESETS[preset], capacity=64, num_layers=2)
+    for layer in range(2):  # XQuant's second layer reads the first one's codes
+        model.append(layer, torch.randn(1, 2, 100, 64, generator=g), torch.randn(1, 2, 100, 64, generator=g))
+    q = _q(1, 4, 1, 64)
+    for _ in range(40):  # past a group of G = 32 tokens: the value store writes too
+        for layer in range(2):
+            model.append(layer, torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g))
+            c = model.layer(layer)
+            fused, composed = c.attention(q, fused_op=True), c.attention(q, fused_op=False)
+            torch.testing.assert_close(fused, composed, rtol=1e-5, atol=2e-6)
+    assert counts == []
+    ops.quantize_groups_into(torch.randn(2, 64), 2, 32, "sym", 0.0, *ops.quantize_groups(torch.randn(2, 64), 2, 32))
+    assert counts == ["check_quantize_into"]
 
 
 def test_bool_mask_under_another_default_dtype():

@@ -14,6 +14,10 @@ from triton_helpers import DEVICE, DTYPES, TRITON_MARK, gen, place, seed_for, tk
 
 from kvkernels import reference
 
+if tk is not None:
+    from kvkernels.triton_kernels._common import EMULATE_DOT
+    from triton_probes import decode_probe, perm_probe
+
 pytestmark = TRITON_MARK
 # |triton - reference| <= RTOL * sum_l |x_l| |w_l| + ATOL: x enters both exactly (same fp16/bf16 values cast to
 # fp32), so the difference is fp32 accumulation order only.
@@ -220,33 +224,15 @@ def test_pair_decode_order():
     for bits in (1, 2, 3, 4):
         c, s, _ = reference.quantize_groups(torch.randn(3, 128, generator=gen(bits)), bits, 32, "sym")
         out = torch.zeros(3, 128, dtype=torch.float32, device=DEVICE)
-        _decode_probe[(1,)](c.to(DEVICE), out, BITS=bits)
+        decode_probe[(1,)](c.to(DEVICE), out, BITS=bits, EMU=EMULATE_DOT)
         perm = torch.zeros(128, dtype=torch.int32, device=DEVICE)
-        _perm_kernel[(1,)](perm, BITS=bits)
+        perm_probe[(1,)](perm, BITS=bits)
         perm = perm.cpu().long()
         per = 32 if bits == 3 else 32 // bits  # values per word (b = 3: per block)
         assert torch.equal(perm.view(-1, per).sort(-1).values, torch.arange(128).view(-1, per)), bits
         # the codes themselves: sym dequantization with unit scales is u - 2^(b-1)
         u = reference.dequantize_groups(c, torch.ones_like(s), None, bits, 32, "sym") + 2 ** (bits - 1)
         assert torch.equal(out.cpu(), u[:, perm]), bits
-
-
-if tk is not None:
-    import triton.language as tl
-    from kvkernels.triton_kernels._common import EMULATE_DOT, pair_perm, unpack_pairs
-
-    @triton.jit
-    def _decode_probe(codes_ptr, out_ptr, BITS: tl.constexpr):
-        r = tl.arange(0, 4)
-        ok = r < 3
-        u = unpack_pairs(codes_ptr + r * (4 * BITS), 0, ok, 4 * BITS, 0, BITS, 128, 0, EMULATE_DOT)
-        k = tl.arange(0, 128)
-        tl.store(out_ptr + r[:, None] * 128 + k[None, :], u.to(tl.float32), mask=ok[:, None])
-
-    @triton.jit
-    def _perm_kernel(out_ptr, BITS: tl.constexpr):
-        k = tl.arange(0, 128)
-        tl.store(out_ptr + k, pair_perm(k, BITS))
 
 
 # ---------------------------------------------------------------------------------------------------------

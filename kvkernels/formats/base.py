@@ -204,7 +204,8 @@ class QuantStore:
         if zeros is None:  # sym: the op still writes (all-zero) zeros, into a throwaway buffer
             zeros = torch.empty(scales.shape, dtype=torch.float16, device=scales.device)
         src = (x if self.layout == "rows" else x.transpose(2, 3)).contiguous()
-        ops.quantize_groups_into(
+        # the op validates its arguments itself (ops.unchecked): this store's own views and a contiguous src
+        ops.unchecked("quantize_groups_into")(
             src, self.bits, self.group_size, self.mode, self.eta, self._codes_out(codes, src), scales, zeros
         )
         self.n += n
@@ -681,8 +682,9 @@ class Format:
     def store_gemv(self, x: torch.Tensor, store, x_scale=None) -> torch.Tensor:
         """gemv_op of x over every used token of a store (QuantStore or a store with its interface)."""
         codes, scales, zeros = store.views()
+        # the op validates its arguments itself (ops.unchecked): the store's own views, x from decode attention
         return self.gemv(
-            getattr(ops, self.gemv_op), x, codes, scales, zeros, store.bits, store.group_size, store.mode, x_scale
+            ops.unchecked(self.gemv_op), x, codes, scales, zeros, store.bits, store.group_size, store.mode, x_scale
         )
 
     def bench_gemvs(self, config, resolve, q, p, lead, n: int, d: int, device):

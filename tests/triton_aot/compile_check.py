@@ -193,7 +193,20 @@ def representative_calls(tk):
     dequantize((2, 4, 32, 2048), 4, 2048, "hybrid")
     lattice_calls(tk, calls, dtypes)
     attention_calls(tk, calls, dtypes)
+    probe_calls(calls)
     return calls
+
+
+def probe_calls(calls):
+    """The tests' own probe kernels (tests/triton_probes.py), as the tests launch them on a GPU (EMU off): a probe only
+    the interpreter accepts would fail on the first GPU, as test_pair_decode_order did (a non-constexpr global)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from triton_probes import decode_probe, perm_probe
+
+    for bits in (1, 2, 3, 4):
+        codes, out = torch.zeros(3, 4 * bits, dtype=torch.int32), torch.zeros(3, 128)
+        calls.append(lambda c=codes, o=out, bits=bits: decode_probe[(1,)](c, o, BITS=bits, EMU=False))
+        calls.append(lambda bits=bits: perm_probe[(1,)](torch.zeros(128, dtype=torch.int32), BITS=bits))
 
 
 def lattice_calls(tk, calls, dtypes):

@@ -1,0 +1,143 @@
+"""Host time of one layer's dynamic decode step: the Python that runs before each launch, with the kernels stubbed out.
+
+    python bench/host_step.py [--presets innerq_base kivi2 ...] [--head-dim 128] [--json out.json]
+
+Without CUDA graphs (generate() with a dynamic KVKernelsCache), every layer of every decode step pays this on the CPU
+before its kernels can launch, so it bounds the step from below however fast the kernels are. The kvkernels ops are
+replaced by stubs that return an output of the right shape at once, and the caches are tiny (1 batch, 1 KV head, 4
+query heads, 512 tokens), so what is left is the Python: the cache's bookkeeping, the views it hands the ops, the
+argument checks, the dispatcher call. Rows per preset, best of 5 timings of 3000 steps each:
+
+  append               QuantizedLayerCache.append of one token (the tails' concatenation, the store write's views)
+  fused attention      decode_attention(fused_op=True): one decode_attention_fused call
+  composed attention   decode_attention(fused_op=False): two GEMV calls, the window matmuls, softmax, concatenation
+                       (these small tensor ops run on the CPU here; a GPU would launch them instead)
+
+Each row runs twice in the same process: as kvkernels runs it (the ops through ops.unchecked: validated once, by
+the op), and with every ops.unchecked(name) replaced by the public wrapper ops.<name> (the same op after the
+wrappers' Python pre-check: the path before 2026-11-29). "sdpa fp16" is the fp16 baseline's host work on the same
+shapes: a DynamicCache-style update (two torch.cat) and torch SDPA, actually computed (tiny fp32 tensors).
+CPU numbers of this machine; a GPU host's Python may be faster or slower, and the CUDA launches come on top.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvkernels  # noqa: E402
+from kvkernels import ops  # noqa: E402
+from kvkernels.formats import PRESETS, make_layer_cache  # noqa: E402
+
+B, H_KV, H_Q, N = 1, 1, 4, 512
+STUBBED = ("decode_attention_fused", "quantize_groups_into", "gemv_inner_q", "gemv_kivi")
+
+
+class _Stub:
+    """Stands in for torch.ops.kvkernels.<op>: .default returns an output of the op's shape at once."""
+
+    def __init__(self, fn):
+        self.default = fn
+
+
+def _gemv_out(x, codes, scales, zeros, bits, group_size, *inner_q_args):
+    # gemv_inner_q: one output per code row (M); gemv_kivi: one per token column (words * 32 / bits)
+    n = codes.shape[-2] if inner_q_args else codes.shape[-1] * 32 // bits
+    return torch.zeros(*x.shape[:-1], n)
+
+
+def _stubs() -> dict:
+    return {
+        "decode_attention_fused": _Stub(lambda x, *a: torch.zeros_like(x, dtype=a[-1] or torch.float32)),
+        "quantize_groups_into": _Stub(lambda *a: None),
+        "gemv_inner_q": _Stub(_gemv_out),
+        "gemv_kivi": _Stub(_gemv_out),
+    }
+
+
+def best_us(fn, n: int = 3000, repeats: int = 5) -> float:
+    for _ in range(100):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+def preset_rows(preset: str, d: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(B, H_KV, N, d, generator=g).half() for _ in range(2))
+    q = torch.randn(B, H_Q, 1, d, generator=g).half()
+    k1, v1 = (torch.randn(B, H_KV, 1, d, generator=g).half() for _ in range(2))
+
+    def fresh():  # a new cache of N tokens per timing: the appends of one timing do not lengthen the next one's
+        cache = make_layer_cache(PRESETS[preset], B, H_KV, d, capacity=4096, dtype=torch.float16)
+        cache.append(k, v)
+        return cache
+
+    paths = {
+        "append": lambda c: lambda: c.append(k1, v1),
+        "fused attention": lambda c: lambda: c.attention(q, fused_op=True),
+        "composed attention": lambda c: lambda: c.attention(q, fused_op=False),
+    }
+    rows = {}
+    for name, make in paths.items():
+        rows[name] = best_us(make(fresh()))
+        with mock.patch.object(ops, "unchecked", lambda op: getattr(ops, op)):  # the wrappers' pre-check again
+            rows[f"{name}, checked twice"] = best_us(make(fresh()))
+    return rows
+
+
+def sdpa_row(d: int) -> float:
+    g = torch.Generator().manual_seed(0)
+    # fp32: the CPU's fp16 SDPA is slow arithmetic, not host work (a GPU launches the same calls for either dtype)
+    kc, vc = (torch.randn(B, H_KV, N, d, generator=g) for _ in range(2))
+    q = torch.randn(B, H_Q, 1, d, generator=g)
+    k1, v1 = (torch.randn(B, H_KV, 1, d, generator=g) for _ in range(2))
+
+    def step():  # DynamicCache.update (a cat per tensor) + SDPA over the result; the cache does not grow here
+        k, v = torch.cat([kc, k1], dim=2), torch.cat([vc, v1], dim=2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return best_us(step, n=1000)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["innerq_base", "innerq_small", "kivi2"])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    result = {"device": "cpu (host time only)", "torch": torch.__version__, "kvkernels": kvkernels.__version__,
+              "shape": {"B": B, "H_kv": H_KV, "H_q": H_Q, "N": N, "D": a.head_dim}, "rows": {}}  # fmt: skip
+    with mock.patch.dict(torch.ops.kvkernels.__dict__, _stubs()):
+        for preset in a.presets:
+            rows = preset_rows(preset, a.head_dim)
+            result["rows"][preset] = rows
+            for path in ("append", "fused attention", "composed attention"):
+                once, twice = rows[path], rows[f"{path}, checked twice"]
+                print(f"{preset:>14} {path:<19} {once:6.1f} us (checked twice: {twice:6.1f} us, {twice / once:.2f}x)")
+            step = rows["append"] + rows["fused attention"]
+            step2 = rows["append, checked twice"] + rows["fused attention, checked twice"]
+            print(
+                f"{preset:>14} {'fused step':<19} {step:6.1f} us (checked twice: {step2:6.1f} us, {step2 / step:.2f}x)"
+            )
+    sdpa = sdpa_row(a.head_dim)
+    result["rows"]["sdpa fp16"] = {"step": sdpa}
+    print(f"{'sdpa fp16':>14} {'step':<19} {sdpa:6.1f} us (two torch.cat + SDPA, computed in fp32)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
