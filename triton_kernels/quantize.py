@@ -41,7 +41,10 @@ from ._common import (
 )
 
 _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
-_NAN = tl.constexpr(float("nan"))
+# No NaN among these module constants: Triton's JIT compares every constexpr global a kernel read with its current
+# value on each launch (`!=`) and raises "has changed since we compiled this kernel" when they differ, which a NaN
+# always does. The interpreter makes no such check; the first GPU run lost every Triton quantize test to it.
+# tests/triton_aot/compile_check.py makes the check for every kernel.
 _INF = tl.constexpr(float("inf"))
 _NEG_INF = tl.constexpr(-float("inf"))
 
@@ -118,14 +121,14 @@ def _quantize_kernel(
     pad = (blk_ok[None, :, None] & (i < 32)) == 0  # [1, NBG, 32]
     mn = tl.min(tl.min(tl.where(pad, _INF, xv), axis=2), axis=1)
     mx = tl.max(tl.max(tl.where(pad, _NEG_INF, xv), axis=2), axis=1)
-    mn = tl.where(has_nan, _NAN, mn)
-    mx = tl.where(has_nan, _NAN, mx)
+    mn = tl.where(has_nan, float("nan"), mn)
+    mx = tl.where(has_nan, float("nan"), mx)
     if MODE != 1:  # sym
         amax = tl.max(tl.max(tl.abs(xv), axis=2), axis=1)  # masked lanes hold 0, harmless for max|x|
         inv_den = tl.full((BLOCK_ROWS,), INV_OFF, tl.float32)
         if BITS >= 2:  # a constant non-zero group: max|x| / 2^(b-2), exact on a level (FORMATS.md)
             inv_den = tl.where((mn == mx) & (amax > 0), INV_OFF * 2.0, inv_den)
-        s_s = round_to_half(tl.where(has_nan, _NAN, amax) * inv_den)  # times a power of two: exact
+        s_s = round_to_half(tl.where(has_nan, float("nan"), amax) * inv_den)  # times a power of two: exact
         s3 = s_s[:, None, None]
         u_s = tl.where(s3 > 0, round_half_even(tl.math.div_rn(xv, tl.where(s3 > 0, s3, 1.0))) + OFF, OFF)
         u_s = _clamp_code(u_s, QMAX)

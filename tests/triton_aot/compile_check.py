@@ -14,9 +14,12 @@ script closes that gap the way .ci/nvcc_check.sh does for csrc/cuda/:
    to 1 become constexprs, ints and pointers divisible by 16 get the divisibility hint.
 3. cuobjdump reads each cubin's resource usage: stack/local memory above SPILL_TOLERANCE_B (register spills) or
    shared memory above the target's opt-in limit is an error.
+4. Every recorded kernel's constexpr globals get the comparison the JIT makes before each launch (stale_globals): a
+   NaN global fails it on every launch, which the interpreter never sees.
 
 Usage: python tests/triton_aot/compile_check.py [--targets 80,90] [--jobs N] [--json FILE] [--cover N]
-Exit status 0 when every variant compiled for every target within those limits; prints one line per variant.
+Exit status 0 when every variant compiled for every target within those limits and no kernel reads a global that
+fails the launch-time check; prints one line per variant.
 """
 
 import argparse
@@ -318,6 +321,29 @@ def planted_launches():
     return [(_planted_not_pow2, (x, y), {"num_warps": 1}), (_planted_spill, (x, y), {"BLOCK": 16384, "num_warps": 1})]
 
 
+def stale_globals(fns) -> list[str]:
+    """The launch-time check Triton's JIT makes and the interpreter does not: before every launch JITFunction.run
+    compares each constexpr global the kernel (or a function it calls) read with the global's current value (`!=`) and
+    raises "Global variable ... has changed since we compiled this kernel" when they differ. A NaN never equals
+    itself, so a kernel that reads a NaN global fails every launch on a GPU: every Triton quantize test of the first
+    GPU run (H200, 2026-11-26) did. One message per (kernel, global) that would fail the check now."""
+    problems = []
+    for fn in dict.fromkeys(fns):
+        fn.cache_key  # noqa: B018 - computing the key runs the dependency finder, which records the globals read
+        for (name, _), (val, scope) in fn.used_global_vals.items():
+            if scope.get(name) != val:
+                problems.append(f"{fn.__name__}: global {name} = {val!r} fails Triton's launch-time check")
+    return problems
+
+
+_PLANTED_NAN = tl.constexpr(float("nan"))
+
+
+@triton.jit
+def _planted_nan_global(x_ptr):
+    tl.store(x_ptr, _PLANTED_NAN)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 2. turn a recorded launch into a compile job, as the JIT would specialise it
 
@@ -474,7 +500,8 @@ def main() -> int:
     targets = [int(t) for t in args.targets.split(",")]
 
     jobs = {}
-    for launch in planted_launches() if args.self_test else record_launches():
+    recorded = planted_launches() if args.self_test else record_launches()
+    for launch in recorded:
         job = compile_job(*launch)
         if args.only is None or args.only in job["label"]:
             jobs.setdefault(job["key"], job)
@@ -484,6 +511,12 @@ def main() -> int:
         print(f"compiling the {len(jobs)} launches that cover every {args.cover}-way combination of their parameters")
     if not cuobjdump_path():
         print("note: cuobjdump not found, register/spill usage is not checked")
+
+    # every kernel recorded, whatever --only and --cover select (the check costs no compile)
+    fns = [_planted_nan_global] if args.self_test else [launch[0] for launch in recorded]
+    stale = stale_globals(fns)
+    for problem in stale:
+        print(f"FAIL globals {problem}")
 
     work = [(job, cc) for job in jobs.values() for cc in targets]
     t0 = time.perf_counter()
@@ -496,13 +529,14 @@ def main() -> int:
         print(f"{state} sm_{r['cc']}  {r['label']:<72} {usage}  {r['error']}".rstrip())
     failed = [r for r in results if not r["ok"]]
     print(f"{len(results) - len(failed)}/{len(results)} compiled within limits in {time.perf_counter() - t0:.0f} s")
+    print(f"{len(set(fns)) - len(stale)}/{len(set(fns))} kernels pass the launch-time check of their globals")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     if args.self_test:
-        print(f"self-test: {len(failed)}/{len(results)} planted faults reported")
-        return 0 if len(failed) == len(results) else 1
-    return 1 if failed else 0
+        print(f"self-test: {len(failed)}/{len(results)} planted faults reported, {len(stale)}/1 planted NaN global")
+        return 0 if len(failed) == len(results) and len(stale) == 1 else 1
+    return 1 if failed or stale else 0
 
 
 if __name__ == "__main__":
