@@ -80,9 +80,7 @@ struct StoreTilesLaunch {
 // wave, then ceil(wave / ctas) splits (which may spill into a second wave).
 inline int64_t planned_split_tokens(const void* fn, int threads, int smem_bytes, int num_sms, int64_t ctas,
                                     int64_t tokens, int64_t unit, int64_t min_split, int64_t fixed) {
-  int occ = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, threads, smem_bytes) != cudaSuccess || occ < 1) occ = 1;
-  (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
+  const int occ = resident_ctas_per_sm(fn, threads, static_cast<size_t>(smem_bytes));
   const int64_t wave = static_cast<int64_t>(occ) * (num_sms > 1 ? num_sms : 1);
   const int64_t whole = round_up(tokens > 1 ? tokens : 1, unit);  // one split
   if (!gemv_planner_v1()) return wave_split_len(whole, unit, min_split, whole, ctas, wave, fixed);

@@ -893,12 +893,7 @@ InnerQPlan plan_inner_q(const GemvInnerQParams& p) {
   const size_t ring_bytes =
       ring ? static_cast<size_t>(warps) * ring_warp_bytes(p.bits, p.mode != QuantMode::kSym) : 0;
   const size_t budget = ring ? kCtaSmem - ring_bytes : kSmemBudget;
-  int occ = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), pl.threads,
-                                                    ring_bytes + budget) != cudaSuccess ||
-      occ < 1)
-    occ = 1;
-  (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
+  const int occ = resident_ctas_per_sm(reinterpret_cast<const void*>(pl.fn), pl.threads, ring_bytes + budget);
   pl.ctas_per_sm = occ;
   const int64_t wave = static_cast<int64_t>(occ) * std::max(p.num_sms, 1);
   const int64_t bh = p.B * p.H_kv;

@@ -526,12 +526,7 @@ KiviPlan plan_kivi(const GemvKiviParams& p) {
   const size_t ring_bytes =
       pl.loads == kLoadRing ? static_cast<size_t>(kWarps) * kivi_ring_warp_bytes(p.bits, pl.cpl) : 0;
   const size_t budget = pl.loads == kLoadRing ? kCtaSmem : kSmemBudget;
-  int occ = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(pl.fn), kWarps * 32,
-                                                    budget) != cudaSuccess ||
-      occ < 1)
-    occ = 1;
-  (void)cudaGetLastError();
+  const int occ = resident_ctas_per_sm(reinterpret_cast<const void*>(pl.fn), kWarps * 32, budget);
   pl.ctas_per_sm = occ;
   const int64_t wave = static_cast<int64_t>(occ) * std::max(p.num_sms, 1);
   const int64_t bh = p.B * p.H_kv;

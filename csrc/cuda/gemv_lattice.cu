@@ -966,12 +966,7 @@ cudaError_t select_value_kernel(LatticeGrid grid, int dw, int nt, bool nb, Latti
   return cudaSuccess;
 }
 
-int occupancy(const void* fn, size_t smem) {
-  int occ = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, kThreads, smem) != cudaSuccess || occ < 1) occ = 1;
-  (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
-  return occ;
-}
+int occupancy(const void* fn, size_t smem) { return resident_ctas_per_sm(fn, kThreads, smem); }
 
 size_t table_bytes(LatticeGrid g) {
   switch (g) {

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "kvkernels/lattice.cuh"
 #include "kvkernels/quant.cuh"
@@ -32,6 +34,41 @@ const char* last_launch_error();
 inline bool env_equals(const char* name, const char* value) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, value) == 0;
+}
+
+// Resident CTAs per SM of kernel `fn` with `threads` threads and `smem_bytes` of dynamic shared memory on the current
+// device, at least 1 (a failed query counts as 1, is not cached, and does not become the launch's error). Every GEMV
+// planner and the fused attention's (twice a call: workspace sizing, then the launch; two kernels each) ask on every
+// call, which a decode step without a CUDA graph pays per layer on the host; the answer depends only on these
+// arguments and the device, so it is cached (one entry per kernel instantiation and block shape a process plans).
+inline int resident_ctas_per_sm(const void* fn, int threads, size_t smem_bytes) {
+  struct Entry {
+    int device;
+    const void* fn;
+    int threads;
+    size_t smem;
+    int ctas;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    device = -1;
+  }
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    for (const Entry& e : cache)
+      if (e.device == device && e.fn == fn && e.threads == threads && e.smem == smem_bytes) return e.ctas;
+  }
+  int ctas = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, fn, threads, smem_bytes) != cudaSuccess || ctas < 1) {
+    (void)cudaGetLastError();  // an occupancy query failure is not the launch's error
+    return 1;
+  }
+  const std::lock_guard<std::mutex> lock(mu);
+  cache.push_back({device, fn, threads, smem_bytes, ctas});
+  return ctas;
 }
 
 // KVKERNELS_GEMV_PLANNER=v1: the split / CTA-size rules of gemv_inner_q and gemv_kivi as the first GPU run (H200,

@@ -27,6 +27,11 @@ extern "C" cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, con
   *n = v ? atoi(v) : 2;
   return cudaSuccess;
 }
+// One device (kernels.h's resident_ctas_per_sm keys its cache by device).
+extern "C" cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
 
 static std::mt19937_64 rng(1234);
 static float frand() { return std::uniform_real_distribution<float>(-1.f, 1.f)(rng); }
