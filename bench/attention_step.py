@@ -16,8 +16,9 @@ tokens (the quantized formats' windows as their presets set them). Rows per (pre
   fused rest 1 split   (compiled CUDA op only) with KVKERNELS_ATTENTION_REST_SPLITS=1: next to the tiles, the general
                   kernel walks the sink, the stores' edges and the tails in one split, as in the first GPU run (the
                   before of splitting them by about a group, 2026-11-28)
-  fused no prefetch   (compiled CUDA op only) with KVKERNELS_ATTENTION_PREFETCH=0: the store tiles without their L2
-                  prefetch of each warp's next step (the before of 2026-11-29)
+  fused no prefetch   (compiled CUDA op only) with KVKERNELS_ATTENTION_PREFETCH=0: no L2 prefetch in the attention
+                  kernels (the store tiles' of each warp's first and next steps, the general kernel's of its first
+                  tile; the before of 2026-11-29)
 Each row is the median time of one call (kvkernels.bench: CUDA graph replays timed with events on a GPU, rotating
 over enough caches to exceed 3x L2 so the codes come from DRAM; perf_counter on CPU). A row whose calls a CUDA graph
 cannot capture falls back to eager timing (launch gaps and host time then count): it is printed with a WARNING

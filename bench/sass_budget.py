@@ -1452,11 +1452,14 @@ ATTN_CEILING: dict[tuple[str, int], float] = {
     # (preset, head_dim): ceiling (recorded with nvcc 13.0, 4-row instantiation). 42.0 / 47.7 / 45.5 / 52.2 until the
     # staging issued all of a thread's reads before decoding any (load_unit / finish_unit, 2026-11-29): one memory
     # round trip a tile instead of about four, for 47.1 / 48.4 / 51.4 / 51.8 by this walk (part of the rise is the
-    # walk's: both of unit_site's store branches are counted, ~40 instructions a warp-unit; D = 64 walked per side)
+    # walk's: both of unit_site's store branches are counted, ~40 instructions a warp-unit; D = 64 walked per side).
+    # D = 64 48.4 / 51.8 -> 50.1 / 53.7 when the kernel began to prefetch its first tile's units into L2 before the
+    # query staging (2026-11-29, prefetch_unit; outside the tile loop: ptxas allocated the loop with 158 registers
+    # instead of 167, +72 instructions in a key unit); D = 128 moved by +0.1
     ("innerq_base", 128): 48.6,
-    ("innerq_base", 64): 49.9,
+    ("innerq_base", 64): 51.6,
     ("kivi2", 128): 53.0,
-    ("kivi2", 64): 53.4,
+    ("kivi2", 64): 55.3,
 }
 
 

@@ -1012,8 +1012,9 @@ def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, monkeypatch):
 
 @pytest.mark.parametrize("key,value", [STORE_TILE_PAIRS[0], KIVI_TILE_PAIRS[0]])
 def test_decode_attention_fused_store_tiles_prefetch_changes_nothing(key, value, monkeypatch):
-    # the tiles' L2 prefetch of each warp's next step is a hint: KVKERNELS_ATTENTION_PREFETCH=0 (read per call) must
-    # give the same bits. Splits of 320 tokens (5 steps of 64): warp 0 takes two, a prefetching step and a last one
+    # the L2 prefetches are hints (the tiles' of each warp's first and next steps, the general kernel's of its first
+    # tile, which here walks the sink, the stores' edges and the tails): KVKERNELS_ATTENTION_PREFETCH=0 (read per call)
+    # must give the same bits. Splits of 320 tokens (5 steps of 64): warp 0 takes two, a prefetching step and a last one
     mk, mv = (1000, 992) if key[2] == "rows" else (992, 1000)  # a "cols" store holds whole groups of 32 tokens
     kw = _attn_operands(2, 2, 128, S=3, mk=mk, mv=mv, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
                         x_scale=key[2] == "rows", seed=29)  # fmt: skip

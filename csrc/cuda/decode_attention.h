@@ -73,6 +73,12 @@ struct StoreTilesLaunch {
   bool prefetch;              // L2 prefetch of each warp's next step, keys and values (store_tiles_prefetch)
 };
 
+// KVKERNELS_ATTENTION_PREFETCH=0 turns the attention kernels' L2 prefetches off (the store tiles': each warp's first
+// step at entry, each next step in the loop; the general kernel's: the first tile's units before the staging), so a
+// benchmark can time both in one process (bench/attention_step.py); read per plan, a getenv beside a launch. Same
+// results.
+inline bool attention_prefetch() { return !env_equals("KVKERNELS_ATTENTION_PREFETCH", "0"); }
+
 // Split planning shared by both kernels: tokens per split for `tokens` tokens over `ctas` CTAs per split, a multiple
 // of unit, at least min_split tokens unless one split takes them all: the split that runs the grid in the fewest
 // modelled wave-rounds (wave_split_len, gemv.cuh; resident CTAs of `fn` x SMs), a CTA's fixed work counted as `fixed`

@@ -333,6 +333,31 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
 
+  // L2 prefetch of the warp's first step before the queries are staged (the loop prefetches each later step with the
+  // one before it): a warp with one step (short caches, splits of one round of warps) would otherwise ask DRAM for its
+  // keys only after the staging's barriers, and for its values after the scores. The loop's sets: one key row a lane
+  // per 32 tokens (codes, scales, zeros), every channel's first value block (with its scale and zero here: cold).
+  if (L.prefetch && lo + TOK * warp < hi) {
+    const AttnStore& K = p.keys;
+    const AttnStore& V = p.values;
+    const uint32_t f0 = static_cast<uint32_t>(lo + TOK * warp), blk = f0 / kTile;
+    const uint32_t gv0 = block_group(blk, L.v_bpg_magic);
+#pragma unroll
+    for (int k = 0; k < KT; ++k) {
+      const uint32_t r = f0 + 32u * k + static_cast<uint32_t>(lane);
+      prefetch_l2(offset_rows(K.codes + b * K.c_sb + hk * K.c_sh, r, row_bytes(K.c_sr, 4)));
+      prefetch_l2(offset_rows(K.scales + b * K.s_sb + hk * K.s_sh, r, row_bytes(K.s_sr, 2)));
+      if constexpr (kKZero) prefetch_l2(offset_rows(K.zeros + b * K.z_sb + hk * K.z_sh, r, row_bytes(K.z_sr, 2)));
+    }
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      const uint32_t ch = static_cast<uint32_t>(lane) + 32u * i;
+      prefetch_l2(offset_rows(V.codes + b * V.c_sb + hk * V.c_sh, ch, row_bytes(V.c_sr, 4)) + blk * VB);
+      prefetch_l2(offset_rows(V.scales + b * V.s_sb + hk * V.s_sh, ch, row_bytes(V.s_sr, 2)) + gv0);
+      if constexpr (kVZero) prefetch_l2(offset_rows(V.zeros + b * V.z_sb + hk * V.z_sh, ch, row_bytes(V.z_sr, 2)) + gv0);
+    }
+  }
+
   stage_queries<D, QR>(p, L, c, qs, unscale_s, warp, lane);
   __syncthreads();
   if constexpr (kKZero) {
@@ -631,6 +656,29 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
 
+  // L2 prefetch of the warp's first step before the queries are staged, as in the InnerQ tiles: every key channel's
+  // codes of the step and its group's scale and zero (cold here), the step's value rows (codes, scales, zeros)
+  if (L.prefetch && lo + TOK * warp < hi) {
+    const AttnStore& K = p.keys;
+    const AttnStore& V = p.values;
+    const uint32_t f0 = static_cast<uint32_t>(lo + TOK * warp), kw0 = f0 / 32 * KB;
+    const uint32_t kg0 = block_group(f0 / 32, L.v_bpg_magic);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      const uint32_t ch = static_cast<uint32_t>(lane) + 32u * i;
+      prefetch_l2(offset_rows(K.codes + b * K.c_sb + hk * K.c_sh, ch, row_bytes(K.c_sr, 4)) + kw0);
+      prefetch_l2(offset_rows(K.scales + b * K.s_sb + hk * K.s_sh, ch, row_bytes(K.s_sr, 2)) + kg0);
+      prefetch_l2(offset_rows(K.zeros + b * K.z_sb + hk * K.z_sh, ch, row_bytes(K.z_sr, 2)) + kg0);
+    }
+#pragma unroll
+    for (int j = 0; j < TOK / 32; ++j) {
+      const uint32_t r = f0 + 32u * j + static_cast<uint32_t>(lane);
+      prefetch_l2(offset_rows(V.codes + b * V.c_sb + hk * V.c_sh, r, row_bytes(V.c_sr, 4)));
+      prefetch_l2(offset_rows(V.scales + b * V.s_sb + hk * V.s_sh, r, row_bytes(V.s_sr, 2)));
+      prefetch_l2(offset_rows(V.zeros + b * V.z_sb + hk * V.z_sh, r, row_bytes(V.z_sr, 2)));
+    }
+  }
+
   // ---- queries, then the key MMAs' B fragments: lane (g, t) of k-step ks, n-tile nt: q'[4 nt + g / 2][16 ks + 4t ..
   // + 3], part g & 1 ----------------------------------------------------------------------------------------------
   stage_queries<D, QR>(p, L, c, om, unscale_s, warp, lane);
@@ -894,14 +942,10 @@ bool store_tiles_supported(const DecodeAttentionParams& p) {
   return true;
 }
 
-// KVKERNELS_ATTENTION_PREFETCH=0 turns the store tiles' L2 prefetch off, so a benchmark can time both in one process
-// (bench/attention_step.py); read per plan, a getenv beside a launch. Same results.
-bool store_tiles_prefetch() { return !env_equals("KVKERNELS_ATTENTION_PREFETCH", "0"); }
-
 bool plan_store_tiles(const DecodeAttentionParams& p, int64_t F_cap, StoreTilesLaunch& L) {
   const int64_t gq = p.H_q / p.H_kv, R = gq * p.T;
   L.nt = R <= 4 ? 1 : 2;
-  L.prefetch = store_tiles_prefetch();
+  L.prefetch = attention_prefetch();
   const StoreKernel fn = store_kernel(p, L.nt);
   if (fn == nullptr) return false;
   L.gq = static_cast<int>(gq);
