@@ -3,21 +3,24 @@
     python bench/host_step.py [--presets innerq_base kivi2 ...] [--head-dim 128] [--json out.json]
 
 Without CUDA graphs (generate() with a dynamic KVKernelsCache), every layer of every decode step pays this on the CPU
-before its kernels can launch, so it bounds the step from below however fast the kernels are. The kvkernels ops are
-replaced by stubs that return an output of the right shape at once, and the caches are tiny (1 batch, 1 KV head, 4
-query heads, 512 tokens), so what is left is the Python: the cache's bookkeeping, the views it hands the ops, the
-argument checks, the dispatcher call. Rows per preset, best of 5 timings of 3000 steps each:
+before its kernels can launch. The kvkernels ops are replaced by Python stubs that return an output of the right shape
+at once, and the caches are tiny (1 batch, 1 KV head, 4 query heads), so what is left is kvkernels' Python: the cache's
+bookkeeping, the views it hands the ops, the wrappers' argument checks where a path has them. Not in it: the
+dispatcher, the ops' own checks (C++ or Python), the launchers' planning and the launches, which a GPU step pays on
+top. Rows per preset, best of 5 timings of 3000 steps, each timing on a fresh cache of 512 tokens (capacity 4096, so
+its 3100 appends never reallocate):
 
   append               QuantizedLayerCache.append of one token (the tails' concatenation, the store write's views)
   fused attention      decode_attention(fused_op=True): one decode_attention_fused call
   composed attention   decode_attention(fused_op=False): two GEMV calls, the window matmuls, softmax, concatenation
-                       (these small tensor ops run on the CPU here; a GPU would launch them instead)
+                       (these small tensor ops really run, on the CPU; a GPU would launch them instead)
 
-Each row runs twice in the same process: as kvkernels runs it (the ops through ops.unchecked: validated once, by
-the op), and with every ops.unchecked(name) replaced by the public wrapper ops.<name> (the same op after the
-wrappers' Python pre-check: the path before 2026-11-29). "sdpa fp16" is the fp16 baseline's host work on the same
-shapes: a DynamicCache-style update (two torch.cat) and torch SDPA, actually computed (tiny fp32 tensors).
-CPU numbers of this machine; a GPU host's Python may be faster or slower, and the CUDA launches come on top.
+Each row runs twice in the same process: as kvkernels runs it (the ops through ops.unchecked, without the wrappers'
+pre-check), and with every ops.unchecked(name) replaced by the public wrapper ops.<name> ("checked twice": the
+wrappers' Python pre-check before the op, the path before 2026-11-29). "sdpa fp16" is not stubbed: a DynamicCache-style
+update (two torch.cat) and torch SDPA computed on tiny fp32 tensors, dispatcher and CPU arithmetic included, so it is
+an upper bound on that path's host time, not a like-for-like row. CPU numbers of this machine; a GPU host's Python may
+be faster or slower.
 """
 
 import argparse
@@ -61,11 +64,13 @@ def _stubs() -> dict:
     }
 
 
-def best_us(fn, n: int = 3000, repeats: int = 5) -> float:
-    for _ in range(100):
-        fn()
+def best_us(make, n: int = 3000, repeats: int = 5) -> float:
+    """Best of `repeats` timings of n calls of make()'s callable (a fresh one, and so a fresh cache, per timing)."""
     best = float("inf")
     for _ in range(repeats):
+        fn = make()
+        for _ in range(100):
+            fn()
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
@@ -90,10 +95,10 @@ def preset_rows(preset: str, d: int) -> dict[str, float]:
         "composed attention": lambda c: lambda: c.attention(q, fused_op=False),
     }
     rows = {}
-    for name, make in paths.items():
-        rows[name] = best_us(make(fresh()))
+    for name, path in paths.items():
+        rows[name] = best_us(lambda path=path: path(fresh()))
         with mock.patch.object(ops, "unchecked", lambda op: getattr(ops, op)):  # the wrappers' pre-check again
-            rows[f"{name}, checked twice"] = best_us(make(fresh()))
+            rows[f"{name}, checked twice"] = best_us(lambda path=path: path(fresh()))
     return rows
 
 
@@ -108,7 +113,7 @@ def sdpa_row(d: int) -> float:
         k, v = torch.cat([kc, k1], dim=2), torch.cat([vc, v1], dim=2)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    return best_us(step, n=1000)
+    return best_us(lambda: step, n=1000)
 
 
 def main() -> int:

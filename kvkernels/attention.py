@@ -190,6 +190,8 @@ def decode_attention(
         # the op scales q in fp32 and returns q.dtype: the same arithmetic as q.to(fp32) * scale in, .to(q.dtype) out,
         # without those three elementwise kernels around it. The cache built the operands and q is checked above, so
         # the op's own validation is the only one (ops.unchecked: the wrapper's would repeat it on every step)
+        if len(operands) != len(FUSED_OPERANDS):  # a key it does not know would be dropped here (a missing one raises)
+            raise ValueError(f"fused_attention_operands() returned {sorted(operands)}, expected {list(FUSED_OPERANDS)}")
         args = [operands[name] for name in FUSED_OPERANDS]
         return ops.unchecked("decode_attention_fused")(q, *args, mask, 0, None, scale, q.dtype)
 

@@ -321,9 +321,9 @@ def test_head_dims_the_serving_kernel_refuses_compose(monkeypatch):
 @pytest.mark.parametrize("preset", ["innerq_base", "kivi2", "xquant_1.38"])
 def test_a_decode_step_checks_its_arguments_once(monkeypatch, preset):
     """append + attention (fused and composed) reach each op through ops.unchecked: the op's own kernel validates the
-    arguments (here the reference's, through _checked, whose checks were bound at registration), and the public
-    wrappers' Python pre-checks, a second pass over the same metadata, stay out of the per-layer, per-step path
-    (~25 us of host time a step, docs/ARCHITECTURE.md "How an op is dispatched"). The wrappers still check."""
+    arguments (on CPU the C++ kernel, or a Python one through _checked, whose checks were bound at registration), and
+    the public wrappers' Python pre-checks, a second pass over the same metadata, stay out of the per-layer, per-step
+    path (~25 us of host time a step, docs/ARCHITECTURE.md "How an op is dispatched"). The wrappers still check."""
     counts = []
     for name in ("check_quantize_into", "check_decode_attention_fused", "check_gemv_inner_q", "check_gemv_kivi"):
         real = getattr(kvkernels._validate, name)

@@ -44,7 +44,7 @@ _MODES = {"sym": 0, "asym": 1, "hybrid": 2}
 # No NaN among these module constants: Triton's JIT compares every constexpr global a kernel read with its current
 # value on each launch (`!=`) and raises "has changed since we compiled this kernel" when they differ, which a NaN
 # always does. The interpreter makes no such check; the first GPU run lost every Triton quantize test to it.
-# tests/triton_aot/compile_check.py makes the check for every kernel.
+# tests/triton_aot/compile_check.py makes the check for every kernel its representative launches record.
 _INF = tl.constexpr(float("inf"))
 _NEG_INF = tl.constexpr(-float("inf"))
 

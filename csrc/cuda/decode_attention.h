@@ -70,7 +70,7 @@ struct StoreTilesLaunch {
   uint32_t v_bpg_magic;       // block_group's magic: value group of a 32-token block (gemv.cuh)
   DecodeConsts dec_k, dec_v;  // InnerQ tiles: the decoders' constants with the sym offset (decode_offset) folded in
   KiviConsts kivi_k, kivi_v;  // KIVI tiles: the dequantizing decoders' constants (kivi_mma.cuh)
-  bool prefetch;              // L2 prefetch of each warp's next step, keys and values (store_tiles_prefetch)
+  bool prefetch;              // L2 prefetch of each warp's first and next steps, keys and values (attention_prefetch)
 };
 
 // KVKERNELS_ATTENTION_PREFETCH=0 turns the attention kernels' L2 prefetches off (the store tiles': each warp's first
