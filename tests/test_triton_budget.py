@@ -81,7 +81,11 @@ def test_one_launch_parses_a_loop(tb):
     assert row.m["mma"] == tb.expected_mma(ln.kernel, ln.constexprs, row.warps, 90) > 0 and row.unroll == 1
     # an iteration is VALS = 64 values of L: one stacked chunk of 2 x 32 (one group each), its x-sums (the zero term)
     assert ln.constexprs["VALS"] == 64 and ln.constexprs["BK"] == 32 and tb.inner_q_stack(ln.constexprs) == 2
-    assert row.m["shfl"] <= 2 * 8 and row.m["local_memory_in_loop"] == 0
+    # (triton 3.9, CI's: 16 shuffles; 3.6, the GPU machines': 20, the same loop laid out with 4 more)
+    import triton
+
+    shfl_bound = 2 * 8 if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9) else 2 * 8 + 8
+    assert row.m["shfl"] <= shfl_bound and row.m["local_memory_in_loop"] == 0
     assert 20 < c["issue"] < 4000
     # bytes of one iteration: 256 tile rows x 32 values x 4 bits + fp16 scale and zero per tile row (one group each)
     nbytes, tile = tb.tile_bytes("_gemv_inner_q_kernel", {**ln.constexprs})
