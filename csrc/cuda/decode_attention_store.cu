@@ -634,13 +634,20 @@ constexpr int kKiviTok = 64;  // tokens per warp step: 8 lanes x 8 key columns (
 __host__ __device__ constexpr int kivi_smem_floats(int D, int QR) {
   return (QR + 3) / 4 * 4 + kWarps * QR * kKiviTok + kWarps * QR * D + kWarps * QR * 2;
 }
-// After the floats: the key MMAs' B fragments [NT][D / 16][32 lanes] (uint2).
+// After the floats: the key MMAs' B fragments [NT][D / 16][32 lanes] (uint2), then per warp the step's scales and
+// zeros in the MMAs' row pairs (uint4): keys [2 token halves][D / 4 channel quads], values [D / 32 groups at most][TOK
+// / 4 token quads].
 __host__ __device__ constexpr int kivi_smem_bytes(int D, int QR) {
-  return kivi_smem_floats(D, QR) * 4 + (QR / 4) * (D / 16) * 32 * 8;
+  return kivi_smem_floats(D, QR) * 4 + (QR / 4) * (D / 16) * 32 * 8 + kWarps * (2 * (D / 4) + (D / 32) * (kKiviTok / 4)) * 16;
 }
 
+// Resident CTAs of the KIVI tiles: 3 with 4 query rows (168 registers, no spill, +14-18 instructions a step against
+// 192-206 registers at 2 CTAs; 12 warps an SM keep 1.5x the loads in flight), 2 with 8 (at 3, head_dim 64 also fits
+// 168 registers but takes +33 instructions a step, 13.0 -> 13.3 per byte at 2 bits, which the model calls slower)
+__host__ __device__ constexpr int kivi_min_ctas(int NT) { return NT == 1 ? 3 : 2; }
+
 template <int D, int NT, int KB, int VB>
-__global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
+__global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
   constexpr int TOK = kKiviTok, QR = 4 * NT, KS = D / 16, VS = TOK / 16;
   constexpr int KCPL = 8, VCPL = D / 8;  // columns per lane: key tokens, value channels
   static_assert(8 * KCPL == TOK && (VCPL == 8 || VCPL == 16), "a warp step covers 8 lanes' columns");
@@ -652,6 +659,8 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   uint2* const qf = reinterpret_cast<uint2*>(ml + kWarps * QR * 2);  // [NT][KS][32]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  uint4* const kaff = reinterpret_cast<uint4*>(qf + NT * KS * 32) + warp * 2 * (D / 4);  // the warp's [2][D / 4]
+  uint4* const vaff = reinterpret_cast<uint4*>(qf + NT * KS * 32) + kWarps * 2 * (D / 4) + warp * (D / 32) * (TOK / 4);
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
@@ -700,6 +709,11 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   // Addressing (32-bit row offsets from 64-bit slice bases, as above). Keys: this thread's channel rows 16 ks + 4t + j,
   // at the lane's tokens of the step: word (f0 / 32) KB + kslot.word, group of token f0 + 8g. Values: token rows
   // f0 + 16 vs + 4t + j, at the lane's channels VCPL g (word vslot.word, group VCPL g / G).
+  // Scales and zeros: an MMA thread needs its 4 rows' (s, z) of one group per k-step, as fp16 pairs of rows (4t, 4t + 1)
+  // and (4t + 2, 4t + 3). Four lanes share each key group, and every load is 2 bytes with its own address (~3
+  // instructions) and a PRMT per pair: 96 loads a step. Instead each lane loads a distinct part of the step's scales and
+  // zeros once (keys: a quad of channels per token half; values: a pair of token rows, every group), pairs them and
+  // stores them to the warp's tables, and each k-step reads its 4 pairs with one 16-byte LDS.
   const AttnStore& K = p.keys;
   const AttnStore& V = p.values;
   const uint32_t kcs = row_bytes(K.c_sr, 4), kss = row_bytes(K.s_sr, 2), kzs = row_bytes(K.z_sr, 2);
@@ -710,12 +724,17 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
   for (int i = 0; i < 4; ++i) ksel.sel[i] = pair_sel(kslot.byte0 + i), vsel.sel[i] = pair_sel(vslot.byte0 + i);
   ksel.hsel[0] = ksel.hsel[1] = vsel.hsel[0] = vsel.hsel[1] = 0u;  // no 3-bit stores here (kivi_kernel_for)
   const uint32_t* const kc_t = offset_rows(K.codes + b * K.c_sb + hk * K.c_sh + kslot.word, 4u * t, kcs);
-  const uint16_t* const ks_t = offset_rows(K.scales + b * K.s_sb + hk * K.s_sh, 4u * t, kss);
-  const uint16_t* const kz_t = offset_rows(K.zeros + b * K.z_sb + hk * K.z_sh, 4u * t, kzs);
+  // the lane's staging items: keys, channel quad kq = i % (D / 4) at token half i / (D / 4) for i = lane + 32 m;
+  // values, token rows 2 lane and 2 lane + 1 of the step in each of the n_vg groups
+  constexpr int KITEMS = 2 * (D / 4) / 32;
+  const uint32_t kq = static_cast<uint32_t>(lane % (D / 4));
+  const uint16_t* const ks_q = offset_rows(K.scales + b * K.s_sb + hk * K.s_sh, 4u * kq, kss);
+  const uint16_t* const kz_q = offset_rows(K.zeros + b * K.z_sb + hk * K.z_sh, 4u * kq, kzs);
+  const int n_vg = D / p.group_size;
   const int vgi = VCPL * g / p.group_size;
   const uint32_t* const vc_b = V.codes + b * V.c_sb + hk * V.c_sh + vslot.word;
-  const uint16_t* const vs_b = V.scales + b * V.s_sb + hk * V.s_sh + vgi;
-  const uint16_t* const vz_b = V.zeros + b * V.z_sb + hk * V.z_sh + vgi;
+  const uint16_t* const vs_b = V.scales + b * V.s_sb + hk * V.s_sh;
+  const uint16_t* const vz_b = V.zeros + b * V.z_sb + hk * V.z_sh;
   float* const ps = ps_all + warp * QR * TOK;
 
   float o[VCPL / 2][NT][4];
@@ -731,8 +750,10 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
     // scales and zeros span 64 groups a line: earlier steps have them in cache)
     const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
     // ---- scores of tokens f0 + 8g + j, j = 0 .. 7 -------------------------------------------------------------------
-    const uint32_t kw = static_cast<uint32_t>(f0 / 32) * KB;                              // the step's first word
-    const uint32_t kg = block_group(static_cast<uint32_t>((f0 + KCPL * g) / 32), L.v_bpg_magic);  // token group
+    const uint32_t kw = static_cast<uint32_t>(f0 / 32) * KB;  // the step's first word
+    // the step's word offset goes into the row base once, so each load below is one IMAD.WIDE with a literal row
+    // (base + (16 ks + j) * stride + kw would cost a 64-bit add per load after it)
+    const uint32_t* const kc_s = kc_t + kw;
     float d[KCPL / 2][NT][4];
 #pragma unroll
     for (int i = 0; i < KCPL / 2; ++i)
@@ -741,19 +762,32 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       LaneCodes<KB, KCPL> lc[4];
-      uint16_t sk[4], zk[4];
       if (ks == 0 && prefetch_next) {  // channel 4t + (g & 3) + 16 (g >> 2) + 32 i: every channel once, offset >= 0
 #pragma unroll
         for (int i = 0; i < D / 32; ++i)
-          prefetch_l2(offset_rows(kc_t, (g & 3) + 16u * (g >> 2) + 32u * i, kcs) + kw + TOK * kWarps / 32 * KB);
+          prefetch_l2(offset_rows(kc_s + TOK * kWarps / 32 * KB, (g & 3) + 16u * (g >> 2) + 32u * i, kcs));
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_t, 16u * ks + j, kcs) + kw, nullptr);
-        sk[j] = __ldg(offset_rows(ks_t, 16u * ks + j, kss) + kg);
-        zk[j] = __ldg(offset_rows(kz_t, 16u * ks + j, kzs) + kg);
+      for (int j = 0; j < 4; ++j) load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_s, 16u * ks + j, kcs), nullptr);
+      if (ks == 0) {  // after the first k-step's code loads are issued: the keys' table (see Addressing)
+#pragma unroll
+        for (int m = 0; m < KITEMS; ++m) {
+          const int half = (lane + 32 * m) / (D / 4);
+          const uint32_t grp = block_group(static_cast<uint32_t>(f0 / 32) + half, L.v_bpg_magic);
+          const uint16_t* const sq = ks_q + grp;
+          const uint16_t* const zq = kz_q + grp;
+          uint16_t sk[4], zk[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sk[j] = __ldg(offset_rows(sq, j, kss)), zk[j] = __ldg(offset_rows(zq, j, kzs));
+          kaff[half * (D / 4) + kq] = make_uint4(pack_half2(sk[0], sk[1]), pack_half2(sk[2], sk[3]),
+                                                 pack_half2(zk[0], zk[1]), pack_half2(zk[2], zk[3]));
+        }
+        // the table's writes before any lane reads it (the previous step's reads came before its softmax's
+        // __syncwarp, so these writes do not race them)
+        __syncwarp();
       }
-      kstep_compute<KB, NT, KCPL>(lc, sk, zk, qf + ks * 32 + lane, KS * 32, ksel, L.kivi_k, d);
+      const uint4 kf = kaff[(g >> 2) * (D / 4) + 4 * ks + t];  // (s01, s23, z01, z23) of rows 16 ks + 4t + j
+      kstep_compute_paired<KB, NT, KCPL>(lc, kf.x, kf.y, kf.z, kf.w, qf + ks * 32 + lane, KS * 32, ksel, L.kivi_k, d);
     }
     float sc[NT][KCPL];
 #pragma unroll
@@ -805,27 +839,39 @@ __global__ void __launch_bounds__(kThreads, 2) kivi_tiles_kernel(const DecodeAtt
 
     // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
     const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;
+    const uint32_t* const vc_s = offset_rows(vc_b, row0, vcs);  // the step's rows, as the keys' columns above
+    const uint16_t* const vs_r = offset_rows(vs_b, static_cast<uint32_t>(f0) + 2u * lane, vss);  // the lane's 2 rows
+    const uint16_t* const vz_r = offset_rows(vz_b, static_cast<uint32_t>(f0) + 2u * lane, vzs);
 #pragma unroll
     for (int vs = 0; vs < VS; ++vs) {
       LaneCodes<VB, VCPL> lc[4];
-      uint16_t sv[4], zv[4];
       if (vs == 0 && prefetch_next) {  // rows f0 + TOK kWarps + 8t + g + 32 j: each once, offset >= 0 from row0
 #pragma unroll
         for (int j = 0; j < TOK / 32; ++j) {
           const uint32_t dr = TOK * kWarps + 32u * j + 4u * t + g;
-          prefetch_l2(offset_rows(vc_b, row0 + dr, vcs));
-          prefetch_l2(offset_rows(vs_b, row0 + dr, vss));
-          prefetch_l2(offset_rows(vz_b, row0 + dr, vzs));
+          prefetch_l2(offset_rows(vc_s, dr, vcs));
+          prefetch_l2(offset_rows(vs_r, TOK * kWarps + j, vss));  // rows f0 + TOK kWarps + 2 lane + j
+          prefetch_l2(offset_rows(vz_r, TOK * kWarps + j, vzs));
         }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t row = row0 + 16u * vs + j;
-        load_lane<VB, VCPL, false>(lc[j], offset_rows(vc_b, row, vcs), nullptr);
-        sv[j] = __ldg(offset_rows(vs_b, row, vss));
-        zv[j] = __ldg(offset_rows(vz_b, row, vzs));
+      for (int j = 0; j < 4; ++j) load_lane<VB, VCPL, false>(lc[j], offset_rows(vc_s, 16u * vs + j, vcs), nullptr);
+      if (vs == 0) {  // the values' table, after the first k-step's code loads (the previous step's reads of it came
+                      // before this step's softmax __syncwarp)
+        const uint16_t* const vs_r1 = offset_rows(vs_r, 1u, vss);
+        const uint16_t* const vz_r1 = offset_rows(vz_r, 1u, vzs);
+#pragma unroll
+        for (int vg = 0; vg < D / 32; ++vg) {
+          if (vg < n_vg) {  // token quad lane / 2, its row pair lane & 1: (s, z) in .x, .y or .z, .w
+            const uint32_t sp = pack_half2(__ldg(vs_r + vg), __ldg(vs_r1 + vg));
+            const uint32_t zp = pack_half2(__ldg(vz_r + vg), __ldg(vz_r1 + vg));
+            reinterpret_cast<uint2*>(vaff + vg * (TOK / 4) + lane / 2)[lane & 1] = make_uint2(sp, zp);
+          }
+        }
+        __syncwarp();
       }
-      kstep_compute<VB, NT, VCPL>(lc, sv, zv, &pf[vs][0], 1, vsel, L.kivi_v, o);
+      const uint4 vf = vaff[vgi * (TOK / 4) + 4 * vs + t];  // (s01, z01, s23, z23) of rows 16 vs + 4t + j
+      kstep_compute_paired<VB, NT, VCPL>(lc, vf.x, vf.z, vf.y, vf.w, &pf[vs][0], 1, vsel, L.kivi_v, o);
     }
   }
 

@@ -141,14 +141,14 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t X, uint32_t Xh, int cc,
 
 // ---- one k-step's arithmetic -------------------------------------------------------------------------------------
 // Rows 4t .. 4t + 3 of the lane's columns (codes lc, scales s, zeros z) against the step's B fragments (frag: n-tile
-// 0, the next n-tile frag_nt_stride further), accumulated into d.
+// 0, the next n-tile frag_nt_stride further), accumulated into d. kstep_compute below takes the four rows' scales and
+// zeros one by one.
+// The same with the rows' scales and zeros already paired: s01 = (s[0], s[1]), s23, z01, z23 as fp16 pairs.
 template <int BITS, int NT, int CPL>
-__device__ __forceinline__ void kstep_compute(const LaneCodes<BITS, CPL> (&lc)[4], const uint16_t (&s)[4],
-                                              const uint16_t (&z)[4], const uint2* __restrict__ frag,
-                                              int frag_nt_stride, const LaneSel& ls, const KiviConsts& dec,
-                                              float (&d)[CPL / 2][NT][4]) {
-  const uint32_t s01 = pack_half2(s[0], s[1]), s23 = pack_half2(s[2], s[3]);
-  const uint32_t z01 = pack_half2(z[0], z[1]), z23 = pack_half2(z[2], z[3]);
+__device__ __forceinline__ void kstep_compute_paired(const LaneCodes<BITS, CPL> (&lc)[4], uint32_t s01, uint32_t s23,
+                                                     uint32_t z01, uint32_t z23, const uint2* __restrict__ frag,
+                                                     int frag_nt_stride, const LaneSel& ls, const KiviConsts& dec,
+                                                     float (&d)[CPL / 2][NT][4]) {
   uint2 B[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) B[nt] = frag[nt * frag_nt_stride];
@@ -170,6 +170,15 @@ __device__ __forceinline__ void kstep_compute(const LaneCodes<BITS, CPL> (&lc)[4
       mma_m16n8k16(d[i][nt], A, Bn, d[i][nt]);
     }
   }
+}
+
+template <int BITS, int NT, int CPL>
+__device__ __forceinline__ void kstep_compute(const LaneCodes<BITS, CPL> (&lc)[4], const uint16_t (&s)[4],
+                                              const uint16_t (&z)[4], const uint2* __restrict__ frag,
+                                              int frag_nt_stride, const LaneSel& ls, const KiviConsts& dec,
+                                              float (&d)[CPL / 2][NT][4]) {
+  kstep_compute_paired<BITS, NT, CPL>(lc, pack_half2(s[0], s[1]), pack_half2(s[2], s[3]), pack_half2(z[0], z[1]),
+                                      pack_half2(z[2], z[3]), frag, frag_nt_stride, ls, dec, d);
 }
 
 }  // namespace kvk

@@ -1280,7 +1280,7 @@ void attn_cases() {
     a.H_q = 4; a.H_kv = 1; a.B = 1; a.num_sms = 64; a.dev_lengths = true; a.mask_kind = 1; a.expect_splits = 26;
     attn_case(a); }
   // KIVI tiles (kivi_tiles_kernel: keys "cols", values "rows", asym, equal widths 1 / 2 / 4): head_dim 64 / 128, 4 and
-  // 8 rows per CTA (and two row blocks), key groups of 32 / 64 tokens, causal T = 3, masks, planned and explicit
+  // 8 rows per CTA (and two row blocks), key groups of 32 / 64 / 128 tokens, causal T = 3, masks, planned and explicit
   // splits, device lengths, a NaN key group; the store edges and tails in the general kernel
   { AttnCase a; a.kivi_tiles = true; a.aligned = true; a.D = 128; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 0; a.mk = 448; a.mv = 470; a.ntk = 60; a.H_q = 8; a.H_kv = 2;
@@ -1304,6 +1304,9 @@ void attn_cases() {
   { AttnCase a; a.kivi_tiles = true; a.D = 128; a.G = 64; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 1; a.mk = 320; a.mv = 330; a.ntk = 20; a.H_q = 2; a.H_kv = 2;
     a.dt = XDtype::kF32; attn_case(a); }                                                                   // 4 bit, 4 rows
+  { AttnCase a; a.kivi_tiles = true; a.D = 128; a.G = 128; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 2; a.mk = 640; a.mv = 660; a.ntk = 40; a.H_q = 7; a.H_kv = 1;
+    a.split_tokens = 256; attn_case(a); }                                          // one value group per token row
   for (int64_t k : {0, 200}) {  // a NaN key group (channel 0): tokens k .. in the tiles, rows NaN
     AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 320; a.mv = 320; a.ntk = 4; a.H_q = 4; a.H_kv = 2;
