@@ -491,9 +491,7 @@ def bytes_per_iteration(s: Spec, group_size: int = 32) -> float:
         params = 2 + (0 if s.mode == "sym" else 2)
         return 16 * 4 * (32 * s.bits / 8 + params * 32 / group_size)
     if s.family in ATTN_TILES:  # one warp step: keys and values of the step's tokens (D channels each)
-        # tok_per_step / kKiviTok in csrc/cuda/decode_attention_store.cu
-        narrow = s.family == "attn_store" and s.dim == 128 and s.ntiles == 2 and (s.mode != "sym" or s.vmode != "sym")
-        tok = 32 if narrow else 64
+        tok = 64  # tok_per_step / kKiviTok in csrc/cuda/decode_attention_store.cu (every tile: 64 since 2026-11-29)
         kparams = 2 + (0 if s.mode == "sym" else 2)
         vparams = 2 + (0 if s.vmode == "sym" else 2)
         keys = tok * (s.dim * s.bits / 8 + kparams * s.dim / group_size)
@@ -585,33 +583,29 @@ KNOWN_OVER: dict[tuple, float] = {
     # went 10.0 (30 %) -> 9.8 (100 %)
     ("kivi", 1, "asym", 4, 8, "steady state"): 11.9,
     ("kivi", 1, "asym", 8, 8, "steady state"): 14.0,
-    # decode_attention_fused's tiles below: +0.1-1.2 since their L2 prefetch of each warp's next step (2026-11-29: 6-10
-    # warp instructions a step, ~10-100 with their addresses), a latency lever the model does not see; the
-    # attention stage's `fused no prefetch` rows (KVKERNELS_ATTENTION_PREFETCH=0) are the before on a GPU.
     # decode_attention_fused's store tiles (family, key bits, mode, value bits, mode, query rows, head_dim, loop): one
-    # warp step of 64 tokens (32 at 8 rows x head_dim 128 unless both sym) decodes keys and values (3 bits: 2
-    # instructions per value) and adds the online softmax, the p staging and the rescale of the accumulators, which the
-    # GEMVs do not have; at
-    # head_dim 64 that fixed work weighs twice as much per byte, 8 query rows double the MMAs and folds, 1 bit pays a
-    # scale and a zero per 32 values. innerq_base / innerq_small at head_dim 128, 4 rows, and every 4-bit row are
-    # within the budget.
-    ("attn_store", 3, "sym", 2, "hybrid", 4, 128, "steady state"): 10.5,
-    ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 14.4,
-    ("attn_store", 3, "sym", 3, "sym", 4, 64, "steady state"): 11.0,
-    ("attn_store", 3, "sym", 2, "sym", 4, 64, "steady state"): 11.1,
-    ("attn_store", 3, "sym", 2, "hybrid", 4, 64, "steady state"): 12.0,
-    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 16.6,
-    # 8 rows at head_dim 128 with sym keys and values: 13.0 / 13.7 in 32-token steps, 11.5 / 11.7 in 64-token steps
-    # since 2026-11-29 (P's fragments in lane-private shared memory, packed score rows: no spill at 255 registers); asym
-    # keys and hybrid values keep 32-token steps (tok_per_step: 64 spilled, in the loop on sm_90 / on sm_80 and sm_87)
-    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 11.5,
-    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 11.7,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 14.4,
-    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 20.4,
-    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 14.0,
-    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 14.6,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 15.5,
-    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 22.6,
+    # warp step of 64 tokens decodes keys and values (3 bits: 2 instructions per value) and adds the online softmax,
+    # the p staging and the rescale of the accumulators, which the GEMVs do not have; at head_dim 64 that fixed work
+    # weighs twice as much per byte, 8 query rows double the MMAs and folds, 1 bit pays a scale and a zero per 32
+    # values. innerq_base / innerq_small / innerq_hybrid at head_dim 128, 4 rows, and every 4-bit row are within the
+    # budget. Since 2026-11-29 the step's group affines come from a per-warp table (each (token or channel, group)
+    # loaded and converted once, not by all 4 threads of a quad with a 64-bit address each), which cut 2-20 % of a
+    # step and let the 8-row head_dim-128 instantiations with zero points take 64-token steps (1 asym 20.3 -> 15.7,
+    # innerq_hybrid 14.3 -> 10.9); +0.1-1.2 before that from the L2 prefetch of each warp's next step (a latency lever
+    # the model does not see; the attention stage's `fused no prefetch` rows are the before on a GPU).
+    ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.7,
+    ("attn_store", 3, "sym", 3, "sym", 4, 64, "steady state"): 10.2,
+    ("attn_store", 3, "sym", 2, "sym", 4, 64, "steady state"): 10.2,
+    ("attn_store", 3, "sym", 2, "hybrid", 4, 64, "steady state"): 10.1,
+    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 14.0,
+    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 10.9,
+    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 10.9,
+    ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 11.0,
+    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 15.8,
+    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 13.5,
+    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 14.0,
+    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 13.8,
+    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 20.8,
     # the KIVI tiles (kivi_tiles_kernel): the dequantization is 2 instructions per value pair more than the InnerQ
     # tiles' decode (a PRMT gathers two rows' codes, an HFMA2 applies s u + z before the MMA). Until 2026-11-29 every
     # k-step also loaded its 4 rows' scales and zeros one 2-byte load at a time (~3 instructions of address each, a

@@ -4,8 +4,8 @@
 // (sink, store edges, tails, other layouts) with its general kernel and merges both kernels' partials.
 //
 // CTA = (b, h_kv, row block of 4 NT query rows, split of the store tokens), 4 warps. Each warp walks its own steps of
-// TOK = 64 (or 32: tok_per_step) tokens (steps w, w + 4, ... of the split) with its own online softmax, and the CTA
-// merges the 4 warps' partials at the end, so no barrier runs inside the step loop. Per step and warp (32-token blocks):
+// TOK = 64 tokens (steps w, w + 4, ... of the split) with its own online softmax, and the CTA merges the 4 warps'
+// partials at the end, so no CTA barrier runs inside the step loop. Per step and warp (32-token blocks):
 //   scores  S[j, r] = sum_c K[j, c] q'[r, c]: m16n8k16 MMAs with A = 16 key rows x 16 channels (codes decoded two per
 //           LOP3 + HFMA2 to exact fp16 integers, mma.cuh) and B = the query rows as hi / lo fp16 pairs (8 columns =
 //           4 rows x (hi, lo)), q' = x * key_x_scale * 2^e per row; each 32-channel block's fp32 result is folded
@@ -15,6 +15,8 @@
 //   P.V     A = 16 channels x 16 tokens of the value store (the packed block of a channel is 32 tokens, so one tile is
 //           one block and one group per channel), B = p * 2^14 as hi / lo pairs, staged through shared memory into
 //           the B fragment's token order; the fp32 result is folded with the channel's group scale (and zeff * sum(p)).
+//   affines the folds' scales (and zero terms) in fp32 from a per-warp table that the warp's lanes fill once a step
+//           (keys, then values, in the same bytes), not from 2-byte loads by every thread of an MMA quad.
 // The fp32 accumulators therefore see every product of a code and a query / probability to ~2^-22 relative (the
 // hi / lo split) and sum in fp32: the numerical contract of docs/FORMATS.md ("GEMV arithmetic"). p is scaled by
 // 2^14 so that small probabilities stay normal fp16 numbers in the split; the partial divides it out.
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <utility>
 
 #include "cuda/decode_attention.h"
@@ -46,23 +49,32 @@ constexpr int64_t kMinSplitTokens = 512;  // 2 steps per warp: the prologue and 
 // The InnerQ tiles' shared memory (floats, all parts 16-byte aligned): staged queries [QR][D]; sum of each 32-channel
 // block of a staged row [QR][D / 32]; 2^-e per row [QR] (padded to 4); per warp the step's p * 2^14 [QR][TOK]; per warp
 // its partial output [QR][D] and (m, l) [QR][2].
-// Tokens per warp step: 64, which halves the softmax, rescale and value addressing per token against 32, except with
-// 8 query rows at head_dim 128 and keys with zero points (their per-block query sums and zero rows: ~16 registers
-// more) or values with zero points (hybrid: their per-block sums of p and zero rows), where a 64-token step spills at
-// 255 registers (asym keys inside the loop on sm_90, hybrid values on sm_80 / sm_87: sass_budget and nvcc_check,
-// 2026-11-29).
-// Resident CTAs (the register cap): head_dim 64 at 4 rows fits 3 CTAs (168 registers); the others run 2 (8 warps per
-// SM, each with a whole step's loads in flight). The trade between fewer instructions and fewer warps is the static
-// model's choice, not yet measured on a GPU.
-__host__ __device__ constexpr int tok_per_step(int D, int NT, QuantMode KM, QuantMode VM) {
-  return D == 128 && NT == 2 && (KM != QuantMode::kSym || VM != QuantMode::kSym) ? 32 : 64;
+// Tokens per warp step: 64 everywhere, which halves the softmax, rescale and value addressing per token against 32.
+// Until the step's group affines moved to the warp's table (2026-11-29), 8 query rows at head_dim 128 with zero points
+// (asym keys: their per-block query sums and zero rows; hybrid values: their per-block sums of p) took 32-token steps:
+// at 64 they spilled at 255 registers (asym keys inside the loop on sm_90, hybrid values on sm_80 / sm_87). With the
+// table they fit without a spill on sm_80, sm_87 and sm_90 (nvcc_check). The function stays the one place to say it.
+// Resident CTAs (the register cap, __launch_bounds__): 3 at 4 rows (168 registers, no spill since the tables; 7-20
+// instructions a step more than the ~200 registers of 2 CTAs would take, for 1.5x the warps keeping loads in flight),
+// except where 168 spills: innerq_hybrid at head_dim 128 (every arch) and innerq_base at head_dim 128 on sm_80 / sm_87
+// (4-16 bytes, nvcc_check; sm_90 fits), which keep 2 there; 2 at 8 rows. The device pass of each arch reads its own
+// value (__CUDA_ARCH__). The trade between fewer instructions and more warps is the static model's choice, not yet
+// measured on a GPU.
+__host__ __device__ constexpr int tok_per_step(int, int, QuantMode, QuantMode) { return 64; }
+__host__ __device__ constexpr bool sm90_pass() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return true;
+#else
+  return false;
+#endif
 }
-__host__ __device__ constexpr int store_min_ctas(int D, int NT) { return D == 64 && NT == 1 ? 3 : 2; }
-// Where a step's P.V B fragments wait for the value MMAs: in registers, or, in 64-token steps with 8 query rows at
-// head_dim 128 (sym keys and values), in lane-private slots of shared memory (each lane reads back only what it wrote:
-// no barrier). Held in registers there they spilled to local memory inside the step loop (255 registers); until
-// 2026-11-29 those instantiations took 32-token steps instead (innerq_base 13.0 instructions per byte against 11.5
-// now, sass_budget).
+__host__ __device__ constexpr int store_min_ctas(int D, int NT, int KB, QuantMode VM, int VB) {
+  return NT == 1 && (D == 64 || (VM != QuantMode::kHybrid && (sm90_pass() || KB != 3 || VB != 3))) ? 3 : 2;
+}
+// Where a step's P.V B fragments wait for the value MMAs: in registers, or, with 8 query rows at head_dim 128, in
+// lane-private slots of shared memory (each lane reads back only what it wrote: no barrier). Held in registers there
+// they spilled to local memory inside the step loop (255 registers); until 2026-11-29 those instantiations took
+// 32-token steps instead (innerq_base 13.0 instructions per byte against 11.5 then, sass_budget).
 __host__ __device__ constexpr bool pf_in_smem(int D, int NT, QuantMode KM, QuantMode VM) {
   return D == 128 && NT == 2 && tok_per_step(D, NT, KM, VM) == 64;
 }
@@ -77,6 +89,16 @@ __host__ __device__ constexpr int store_smem_floats(int D, int QR, QuantMode KM,
 __host__ __device__ constexpr int store_smem_bytes(int D, int QR, QuantMode KM, QuantMode VM) {
   return store_smem_floats(D, QR, KM, VM) * 4 + (QR / 4) * (D / 32) * 32 * 16 +
          (pf_in_smem(D, QR / 4, KM, VM) ? kWarps * (QR / 4) * (tok_per_step(D, QR / 4, KM, VM) / 32) * 32 * 16 : 0);
+}
+// A warp's table of its step's group affines (GroupAffine, fp32) in the MMAs' row pairs: keys [D / G groups][TOK / 16]
+// [8] during the scores, values [TOK / 32 blocks][D / 16][8] during P.V, in the same bytes; an entry is (s of row a,
+// s of row b), with zero points also (zeff a, zeff b). It lives in the warp's slice of the partial output om, which
+// only the warp's own epilogue writes, after its loop (D TOK / 4 bytes at most, the slice QR D 4 >= 16 D).
+__host__ __device__ constexpr int affine_bytes(QuantMode m) { return m == QuantMode::kSym ? 8 : 16; }
+__host__ __device__ constexpr int warp_table_bytes(int D, int TOK, QuantMode KM, QuantMode VM) {
+  return (D / 32) * (TOK / 16) * 8 * affine_bytes(KM) > (TOK / 32) * (D / 16) * 8 * affine_bytes(VM)
+             ? (D / 32) * (TOK / 16) * 8 * affine_bytes(KM)
+             : (TOK / 32) * (D / 16) * 8 * affine_bytes(VM);
 }
 
 // Canonical words of one key row's D / 32 blocks for thread t (bits 3: the whole row with 8-byte loads, the caller
@@ -313,7 +335,7 @@ __device__ __forceinline__ void merge_warps(const DecodeAttentionParams& p, cons
 }
 
 template <int D, int NT, int KB, QuantMode KM, int VB, QuantMode VM>
-__global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
+__global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) store_tiles_kernel(const DecodeAttentionParams p, const StoreTilesLaunch L) {
   constexpr int TOK = tok_per_step(D, NT, KM, VM), KT = TOK / 32, KM16 = TOK / 16;
   constexpr int QR = 4 * NT, NB = D / 32, MT = D / 16;
   constexpr int KOFF = decode_offset<KB, KM>(), VOFF = decode_offset<VB, VM>();
@@ -409,11 +431,20 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   const uint16_t* const ksc = K.scales + b * K.s_sb + hk * K.s_sh;
   const uint16_t* const kz = kKZero ? K.zeros + b * K.z_sb + hk * K.z_sh : nullptr;
   const uint32_t* const vc_g = offset_rows(V.codes + b * V.c_sb + hk * V.c_sh, static_cast<uint32_t>(g), vcs);
-  const uint16_t* const vs_g = offset_rows(V.scales + b * V.s_sb + hk * V.s_sh, static_cast<uint32_t>(g), vss);
-  const uint16_t* const vz_g = kVZero ? offset_rows(V.zeros + b * V.z_sb + hk * V.z_sh, static_cast<uint32_t>(g), vzs) : nullptr;
+  const uint16_t* const vs0 = V.scales + b * V.s_sb + hk * V.s_sh;
+  const uint16_t* const vz0 = kVZero ? V.zeros + b * V.z_sb + hk * V.z_sh : nullptr;
   const uint32_t sel_lo = sel_bytes(2 * t, 2 * t + 1), sel_hi = sel_bytes(t, t);
   float* const ps = ps_all + warp * QR * TOK;
   uint4* const pfs = qf + NT * NB * 32 + warp * NT * KT * 32 + lane;  // [kWarps][NT][KT][32] (kPfSmem)
+  // the warp's table of the step's group affines (see store_table_bytes): an entry is (s_a, s_b) or, with zero points,
+  // (s_a, s_b, zeff_a, zeff_b) of the rows / channels g and g + 8 of one 16-row tile; keys, then values, in one place
+  using KAff = std::conditional_t<kKZero, float4, float2>;
+  using VAff = std::conditional_t<kVZero, float4, float2>;
+  static_assert(warp_table_bytes(D, TOK, KM, VM) <= QR * D * 4, "the table fits the warp's slice of om");
+  char* const table = reinterpret_cast<char*>(om + warp * QR * D);
+  KAff* const ktab = reinterpret_cast<KAff*>(table);  // [group][mt][g]
+  VAff* const vtab = reinterpret_cast<VAff*>(table);  // [kb][mt][g]
+  const int n_kg = NB >> L.k_group_shift;  // key groups along a row
 
   float o[NT][MT][2];
 #pragma unroll
@@ -436,27 +467,48 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       const uint32_t* const rowa = offset_rows(kc, ra, kcs);
       key_row_words<KB, NB>(rowa, t, sel_lo, sel_hi, Xa, Xha);
       key_row_words<KB, NB>(offset_rows(rowa, 8u, kcs), t, sel_lo, sel_hi, Xb, Xhb);
-      const uint16_t* const sa = offset_rows(ksc, ra, kss);
-      const uint16_t* const sb = offset_rows(sa, 8u, kss);
-      const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
-      const uint16_t* const zb = kKZero ? offset_rows(za, 8u, kzs) : nullptr;
-      if (mt == 0 && prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step: ra + that - g
+      if (mt == 0) {
+        if (prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step: ra + that - g
+          const uint16_t* const sa = offset_rows(ksc, ra, kss);
+          const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
 #pragma unroll
-        for (int k = 0; k < KT; ++k) {
-          const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
-          prefetch_l2(offset_rows(rowa, dr, kcs));
-          prefetch_l2(offset_rows(sa, dr, kss));
-          if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+          for (int k = 0; k < KT; ++k) {
+            const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
+            prefetch_l2(offset_rows(rowa, dr, kcs));
+            prefetch_l2(offset_rows(sa, dr, kss));
+            if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+          }
         }
+        // The step's key affines, after the first tile's code loads are issued: the (mt, g) row pairs of the step over
+        // the lanes (KPAIRS of them; 2 lanes a pair, taking alternate groups, when there are 16), each pair's
+        // groups loaded, converted to fp32 and stored once, where every thread of an MMA quad loaded them itself
+        constexpr int KPAIRS = KM16 * 8, KLPG = 32 / KPAIRS;
+        __syncwarp();  // the previous step's P.V has read the values' table in the same bytes
+        const int pr = lane % KPAIRS, g0 = lane / KPAIRS;
+        const uint32_t r_a = static_cast<uint32_t>(f0) + 16u * (pr / 8) + (pr % 8);
+        const uint16_t* const s_a = offset_rows(ksc, r_a, kss) + g0;
+        const uint16_t* const s_b = offset_rows(s_a, 8u, kss);
+        const uint16_t* const z_a = kKZero ? offset_rows(kz, r_a, kzs) + g0 : nullptr;
+        const uint16_t* const z_b = kKZero ? offset_rows(z_a, 8u, kzs) : nullptr;
+#pragma unroll
+        for (int m = 0; m < (NB + KLPG - 1) / KLPG; ++m) {
+          if (g0 + KLPG * m < n_kg) {
+            const GroupAffine fa = group_affine<KM, KB>(__ldg(s_a + KLPG * m), kKZero ? __ldg(z_a + KLPG * m) : uint16_t{0});
+            const GroupAffine fb = group_affine<KM, KB>(__ldg(s_b + KLPG * m), kKZero ? __ldg(z_b + KLPG * m) : uint16_t{0});
+            KAff e;
+            if constexpr (kKZero) e = make_float4(fa.s, fb.s, fa.zeff, fb.zeff);
+            else e = make_float2(fa.s, fb.s);
+            ktab[((g0 + KLPG * m) * KM16 + pr / 8) * 8 + pr % 8] = e;
+          }
+        }
+        __syncwarp();  // publishes the table
       }
       float acc[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
 #pragma unroll
       for (int cb = 0; cb < NB; ++cb) {
-        const int gi = cb >> L.k_group_shift;
-        const GroupAffine fa = group_affine<KM, KB>(__ldg(sa + gi), kKZero ? __ldg(za + gi) : uint16_t{0});
-        const GroupAffine fb = group_affine<KM, KB>(__ldg(sb + gi), kKZero ? __ldg(zb + gi) : uint16_t{0});
+        const KAff e = ktab[((cb >> L.k_group_shift) * KM16 + mt) * 8 + g];  // rows ra, ra + 8 at cb's group
         uint32_t ha[4], hb[4];
         decode_inner_q<KB, KOFF>(Xa[cb], Xha[cb], L.dec_k, ha);
         decode_inner_q<KB, KOFF>(Xb[cb], Xhb[cb], L.dec_k, hb);
@@ -465,11 +517,11 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
           float d[4];
           block_mma2(d, ha, hb, qfl[(nt * NB + cb) * 32]);
           if constexpr (kKZero) {
-            acc[nt][0] = fmaf(fa.s, d[0] + d[1], fmaf(fa.zeff, xsr[nt][cb], acc[nt][0]));
-            acc[nt][1] = fmaf(fb.s, d[2] + d[3], fmaf(fb.zeff, xsr[nt][cb], acc[nt][1]));
+            acc[nt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
+            acc[nt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
           } else {
-            acc[nt][0] = fmaf(fa.s, d[0] + d[1], acc[nt][0]);
-            acc[nt][1] = fmaf(fb.s, d[2] + d[3], acc[nt][1]);
+            acc[nt][0] = fmaf(e.x, d[0] + d[1], acc[nt][0]);
+            acc[nt][1] = fmaf(e.y, d[2] + d[3], acc[nt][1]);
           }
         }
       }
@@ -568,10 +620,6 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
       // channels 16 mt + g and 16 mt + g + 8
       const uint32_t* const ca = offset_rows(vct, 16u * mt, vcs);
       const uint32_t* const cb8 = offset_rows(vct, 16u * mt + 8u, vcs);
-      const uint16_t* const sa = offset_rows(vs_g, 16u * mt, vss);
-      const uint16_t* const sb = offset_rows(vs_g, 16u * mt + 8u, vss);
-      const uint16_t* const za = kVZero ? offset_rows(vz_g, 16u * mt, vzs) : nullptr;
-      const uint16_t* const zb = kVZero ? offset_rows(vz_g, 16u * mt + 8u, vzs) : nullptr;
       if (mt == 0 && prefetch_next) {  // the next step's first block of channels lane + 32 i = g + (lane - g + 32 i)
 #pragma unroll
         for (int i = 0; i < D / 32; ++i)
@@ -582,8 +630,33 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
         uint32_t Xa, Xha, Xb, Xhb;
         load_gather_block<VB, true>(ca + kb * VB, t, sel_lo, sel_hi, Xa, Xha);
         load_gather_block<VB, true>(cb8 + kb * VB, t, sel_lo, sel_hi, Xb, Xhb);
-        const GroupAffine fa = group_affine<VM, VB>(__ldg(sa + gv[kb]), kVZero ? __ldg(za + gv[kb]) : uint16_t{0});
-        const GroupAffine fb = group_affine<VM, VB>(__ldg(sb + gv[kb]), kVZero ? __ldg(zb + gv[kb]) : uint16_t{0});
+        if (mt == 0 && kb == 0) {
+          // The step's value affines, after the first tile's code loads are issued, as the keys' above: the store's
+          // (mt, g) channel pairs over the lanes (VPL each), every block's group
+          constexpr int VPL = MT * 8 / 32;
+#pragma unroll
+          for (int q = 0; q < VPL; ++q) {
+            const int pr = lane + 32 * q;
+            const uint32_t ch = 16u * (pr / 8) + (pr % 8);
+            const uint16_t* const s_a = offset_rows(vs0, ch, vss);
+            const uint16_t* const s_b = offset_rows(s_a, 8u, vss);
+            const uint16_t* const z_a = kVZero ? offset_rows(vz0, ch, vzs) : nullptr;
+            const uint16_t* const z_b = kVZero ? offset_rows(z_a, 8u, vzs) : nullptr;
+#pragma unroll
+            for (int k = 0; k < KT; ++k) {
+              const GroupAffine fa = group_affine<VM, VB>(__ldg(s_a + gv[k]), kVZero ? __ldg(z_a + gv[k]) : uint16_t{0});
+              const GroupAffine fb = group_affine<VM, VB>(__ldg(s_b + gv[k]), kVZero ? __ldg(z_b + gv[k]) : uint16_t{0});
+              VAff e;
+              if constexpr (kVZero) e = make_float4(fa.s, fb.s, fa.zeff, fb.zeff);
+              else e = make_float2(fa.s, fb.s);
+              vtab[(k * MT + pr / 8) * 8 + pr % 8] = e;
+            }
+          }
+          // publishes the table (this step's reads of the keys' table in the same bytes came before its softmax's
+          // __syncwarp)
+          __syncwarp();
+        }
+        const VAff e = vtab[(kb * MT + mt) * 8 + g];  // channels 16 mt + g, + 8 at block kb's group
         uint32_t ha[4], hb[4];
         decode_inner_q<VB, VOFF>(Xa, Xha, L.dec_v, ha);
         decode_inner_q<VB, VOFF>(Xb, Xhb, L.dec_v, hb);
@@ -592,11 +665,11 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
           float d[4];
           block_mma2(d, ha, hb, kPfSmem ? pfs[(nt * KT + kb) * 32] : pf[nt][kb]);
           if constexpr (kVZero) {
-            o[nt][mt][0] = fmaf(fa.s, d[0] + d[1], fmaf(fa.zeff, psum[nt][kb], o[nt][mt][0]));
-            o[nt][mt][1] = fmaf(fb.s, d[2] + d[3], fmaf(fb.zeff, psum[nt][kb], o[nt][mt][1]));
+            o[nt][mt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
+            o[nt][mt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
           } else {
-            o[nt][mt][0] = fmaf(fa.s, d[0] + d[1], o[nt][mt][0]);
-            o[nt][mt][1] = fmaf(fb.s, d[2] + d[3], o[nt][mt][1]);
+            o[nt][mt][0] = fmaf(e.x, d[0] + d[1], o[nt][mt][0]);
+            o[nt][mt][1] = fmaf(e.y, d[2] + d[3], o[nt][mt][1]);
           }
         }
       }
@@ -604,6 +677,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT)) store_tiles_k
   }
 
   // ---- merge the warps' partials (log-sum-exp, warp order) and write the split's slot of the workspace -----------
+  __syncwarp();  // the loop's last reads of the affine table, in the slice of om written here
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int r = 4 * nt + t;
