@@ -941,9 +941,15 @@ STORE_TILE_PAIRS = [
 
 
 @pytest.mark.parametrize("key,value", STORE_TILE_PAIRS)
-@pytest.mark.parametrize("D,gq,T", [(128, 4, 1), (64, 3, 1), (128, 8, 1), (64, 6, 2), (128, 12, 1)])
-def test_decode_attention_fused_store_tiles(key, value, D, gq, T):
-    kw = _attn_operands(2, 2, D, S=3, mk=1000, mv=992, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
+# G 64 / 128: fewer key groups a row and value groups a channel than the per-warp affine table's unrolled maximum
+@pytest.mark.parametrize(
+    "D,gq,T,G",
+    [(128, 4, 1, 32), (64, 3, 1, 32), (128, 8, 1, 32), (64, 6, 2, 32), (128, 12, 1, 32), (128, 4, 1, 128),
+     (128, 8, 1, 64), (64, 3, 1, 64)],
+)  # fmt: skip
+def test_decode_attention_fused_store_tiles(key, value, D, gq, T, G):
+    mv = 992 // G * G  # the value store ("cols") holds whole groups of tokens
+    kw = _attn_operands(2, 2, D, S=3, mk=1000, mv=mv, n_kt=40, key=key, value=value, G=G, dtype=torch.float16,
                         x_scale=True, seed=D + gq + key[0])  # fmt: skip
     x = torch.randn((2, 2 * gq, T, D), generator=_gen(10)) * D**-0.5
     for split_tokens in (0, 128):
@@ -983,12 +989,18 @@ def _kivi_tiles_expected(x, kw, attn_mask=None):
 
 
 @pytest.mark.parametrize("key,value", KIVI_TILE_PAIRS)
-@pytest.mark.parametrize("D,gq,T", [(128, 4, 1), (64, 3, 1), (128, 8, 1), (64, 6, 1), (128, 2, 3), (64, 1, 5)])
-def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, monkeypatch):
-    kw = _attn_operands(2, 2, D, S=3, mk=992, mv=1000, n_kt=40, key=key, value=value, G=32, dtype=torch.float16,
+# G 64 / 128: fewer value groups a token row than the per-warp scale tables have slots for, key groups spanning steps
+@pytest.mark.parametrize(
+    "D,gq,T,G",
+    [(128, 4, 1, 32), (64, 3, 1, 32), (128, 8, 1, 32), (64, 6, 1, 32), (128, 2, 3, 32), (64, 1, 5, 32),
+     (128, 4, 1, 128), (64, 3, 1, 64)],
+)  # fmt: skip
+def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, G, monkeypatch):
+    mk = 992 // G * G  # the key store ("cols") holds whole groups of tokens; the value store 8 more
+    kw = _attn_operands(2, 2, D, S=3, mk=mk, mv=mk + 8, n_kt=40, key=key, value=value, G=G, dtype=torch.float16,
                         x_scale=False, seed=D + gq + key[0])  # fmt: skip
     x = torch.randn((2, 2 * gq, T, D), generator=_gen(12)) * D**-0.5
-    N = 3 + 992 + 40
+    N = 3 + mk + 40
     mask = None
     if T > 1:  # a caller's mask (broadcast over the batch) with -inf entries and one finite score per row
         g = _gen(13)
@@ -999,7 +1011,7 @@ def test_decode_attention_fused_kivi_tiles(key, value, D, gq, T, monkeypatch):
     want, vmax = _kivi_tiles_expected(x, kw, mask)
     dev = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     m = mask.to(DEV) if mask is not None else None
-    for split_tokens in (0, 128, 320):
+    for split_tokens in (0, 128, 384 if G == 128 else 320):  # explicit splits are whole groups
         y = torch.ops.kvkernels.decode_attention_fused(x.to(DEV), **dev, attn_mask=m, split_tokens=split_tokens)
         err = (y.cpu().double() - want).abs().max().item()
         assert err <= 1e-4 * vmax + 1e-5, f"max err {err:.3g}"

@@ -246,6 +246,9 @@ def test_spec_and_bytes_of_the_attention_tiles():
     assert sb.is_preset(v, "90") and not sb.is_preset(v, "87")
     src = (sb.ROOT / "csrc" / "cuda" / "decode_attention_store.cu").read_text()
     assert re.search(r"constexpr int kKiviTok = 64;", src), "the KIVI tiles' step changed: update bytes_per_iteration"
+    assert re.search(r"constexpr int tok_per_step\([^)]*\) \{ return 64; \}", src), (
+        "the InnerQ tiles' step changed: update bytes_per_iteration"
+    )
 
 
 def test_attention_tile_bytes_and_shared_memory():

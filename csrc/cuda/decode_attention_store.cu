@@ -62,7 +62,7 @@ constexpr int64_t kMinSplitTokens = 512;  // 2 steps per warp: the prologue and 
 // measured on a GPU.
 __host__ __device__ constexpr int tok_per_step(int, int, QuantMode, QuantMode) { return 64; }
 __host__ __device__ constexpr bool sm90_pass() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900  // checked there; other archs keep the bound that fits sm_80 / 87
   return true;
 #else
   return false;
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   const uint32_t sel_lo = sel_bytes(2 * t, 2 * t + 1), sel_hi = sel_bytes(t, t);
   float* const ps = ps_all + warp * QR * TOK;
   uint4* const pfs = qf + NT * NB * 32 + warp * NT * KT * 32 + lane;  // [kWarps][NT][KT][32] (kPfSmem)
-  // the warp's table of the step's group affines (see store_table_bytes): an entry is (s_a, s_b) or, with zero points,
+  // the warp's table of the step's group affines (see warp_table_bytes): an entry is (s_a, s_b) or, with zero points,
   // (s_a, s_b, zeff_a, zeff_b) of the rows / channels g and g + 8 of one 16-row tile; keys, then values, in one place
   using KAff = std::conditional_t<kKZero, float4, float2>;
   using VAff = std::conditional_t<kVZero, float4, float2>;

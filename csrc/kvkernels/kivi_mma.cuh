@@ -140,10 +140,9 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t X, uint32_t Xh, int cc,
 }
 
 // ---- one k-step's arithmetic -------------------------------------------------------------------------------------
-// Rows 4t .. 4t + 3 of the lane's columns (codes lc, scales s, zeros z) against the step's B fragments (frag: n-tile
-// 0, the next n-tile frag_nt_stride further), accumulated into d. kstep_compute below takes the four rows' scales and
-// zeros one by one.
-// The same with the rows' scales and zeros already paired: s01 = (s[0], s[1]), s23, z01, z23 as fp16 pairs.
+// Rows 4t .. 4t + 3 of the lane's columns (codes lc) against the step's B fragments (frag: n-tile 0, the next n-tile
+// frag_nt_stride further), accumulated into d, with the four rows' scales and zeros as fp16 pairs: s01 = (s of row
+// 4t, s of row 4t + 1), s23, z01, z23 (kstep_compute below takes them one by one).
 template <int BITS, int NT, int CPL>
 __device__ __forceinline__ void kstep_compute_paired(const LaneCodes<BITS, CPL> (&lc)[4], uint32_t s01, uint32_t s23,
                                                      uint32_t z01, uint32_t z23, const uint2* __restrict__ frag,
@@ -172,6 +171,7 @@ __device__ __forceinline__ void kstep_compute_paired(const LaneCodes<BITS, CPL> 
   }
 }
 
+// The same with scales s[j] and zeros z[j] of rows 4t + j one by one (the GEMVs').
 template <int BITS, int NT, int CPL>
 __device__ __forceinline__ void kstep_compute(const LaneCodes<BITS, CPL> (&lc)[4], const uint16_t (&s)[4],
                                               const uint16_t (&z)[4], const uint2* __restrict__ frag,

@@ -1241,7 +1241,7 @@ void attn_cases() {
     a.mv = 256; a.ntk = 0; a.xscale = true; a.mask_kind = 1; a.num_sms = 2; attn_case(a); }  // 8 rows, empty remainder
   // 8 rows at head_dim 128, several steps per warp: sym keys and values take 64-token steps with P's fragments in
   // shared memory (each step reusing its slots) and the packed score rows (2026-11-29; causal T = 2 with device
-  // lengths, and planned splits); hybrid values keep 32-token steps (a caller's mask)
+  // lengths, and planned splits); hybrid values too since the affine tables (32-token steps until then; a caller's mask)
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.H_q = 8; a.H_kv = 1;
     a.B = 1; a.S = 3; a.mk = 1024; a.mv = 992; a.ntk = 41; a.xscale = true; a.mask_kind = 1; a.num_sms = 2;
     attn_case(a); }                                                                                    // hybrid
@@ -1306,7 +1306,7 @@ void attn_cases() {
     a.dt = XDtype::kF32; attn_case(a); }                                                                   // 4 bit, 4 rows
   { AttnCase a; a.kivi_tiles = true; a.D = 128; a.G = 128; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 2; a.mk = 640; a.mv = 660; a.ntk = 40; a.H_q = 7; a.H_kv = 1;
-    a.split_tokens = 256; attn_case(a); }                                          // one value group per token row
+    a.split_tokens = 512; attn_case(a); }              // one value group per token row; a warp's tables reused
   for (int64_t k : {0, 200}) {  // a NaN key group (channel 0): tokens k .. in the tiles, rows NaN
     AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 320; a.mv = 320; a.ntk = 4; a.H_q = 4; a.H_kv = 2;
