@@ -124,9 +124,9 @@ def auto_fuses_layouts(operands: dict) -> bool:
     quantized tokens the CUDA op runs on tensor-core store tiles: innerq_base fused was 1.5x faster than composed in
     every row of the first GPU run (H200, bench/RESULTS.md). KIVI's layouts went through the op's general kernel then
     (~45 instructions per byte) and measured slower than composed (kivi2 at 8k tokens x batch 8 327 vs 156 us, at 32k
-    x batch 1 116 vs 98 us); they have tensor-core tiles since (~10-12 per byte by the static model), not yet measured
-    on a GPU, so they stay composed here until a run says otherwise. KVKERNELS_ATTENTION=fused (or fused_op=True)
-    fuses KIVI."""
+    x batch 1 116 vs 98 us); they have tensor-core tiles since (kivi2 8.1 / 9.9 per byte at head_dim 128 with 4 / 8
+    query rows by the static model), not yet measured on a GPU, so they stay composed here until a run says otherwise.
+    KVKERNELS_ATTENTION=fused (or fused_op=True) fuses KIVI."""
     return operands.get("key_layout") == "rows" and operands.get("value_layout") == "cols"
 
 
