@@ -119,6 +119,44 @@ def test_capacity_grows_by_doubling_and_appends_never_copy():
     assert c2.key_store.cap % 128 == 0 and c2.key_store.codes.stride(-2) % 4 == 0
 
 
+def test_store_views_follow_every_change_of_the_store():
+    # views() of all used tokens are kept between calls (host time of a decode step); every change of the store's
+    # length or buffers must give fresh ones: writes, truncation, growth, batch edits
+    from kvkernels.formats.base import QuantStore
+
+    for layout, step in (("rows", 1), ("cols", 32)):
+        st = QuantStore(layout, 2, 32, "sym", 0.0, 2, 1, 64, 64, "cpu")
+        x = torch.randn(2, 1, 200, 64)
+
+        def check(st=st, layout=layout):
+            c, s, z = st.views()
+            assert z is None
+            if layout == "rows":
+                assert c.shape[2] == st.n and s.shape[2] == st.n
+                assert c.data_ptr() == st.codes.data_ptr() and s.data_ptr() == st.scales.data_ptr()
+            else:
+                assert c.shape[-1] == st.n * 2 // 32 and s.shape[-1] == st.n // 32
+            assert c.shape[0] == st.codes.shape[0]
+            return c
+
+        st.write(x[:, :, :step])
+        first = check()
+        assert st.views()[0] is first  # nothing changed: the same views
+        st.write(x[:, :, step : 2 * step])
+        assert check() is not first  # a write
+        st.truncate(step)
+        check()  # a truncation
+        st.write(x[:, :, step : 3 * step])
+        st.reserve(st.cap * 4)  # growth: new buffers of the same length
+        check()
+        st.map_batch(lambda t: t[:1])  # a batch edit
+        check()
+        # what the views hold equals a fresh narrow of the buffers
+        fresh = tuple(st._narrow(t, 0, st.n) for t in (st.codes, st.scales, st.zeros))
+        for a, b in zip(st.views(), fresh, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # contents
 

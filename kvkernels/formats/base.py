@@ -141,6 +141,8 @@ class QuantStore:
         self.n = 0
         self.cap = _round_up(max(int(capacity), group_size), self.cap_unit)
         self.codes, self.scales, self.zeros = self._alloc(batch, self.cap)
+        self._used_views = None  # views() of all used tokens, with what they were made of (views())
+        self._zeros_scratch = None  # sym writes: the op's zeros output, kept for the next write of the same shape
 
     # -- buffers ---------------------------------------------------------------------------------------------
     def _alloc(self, batch: int, cap: int):
@@ -171,7 +173,17 @@ class QuantStore:
     def views(self, lo: int = 0, hi: int | None = None):
         """(codes, scales, zeros) of tokens [lo, hi) (default: all used), as views of the buffers."""
         hi = self.n if hi is None else hi
-        return tuple(self._narrow(t, lo, hi) for t in (self.codes, self.scales, self.zeros))
+        if lo != 0 or hi != self.n:
+            return tuple(self._narrow(t, lo, hi) for t in (self.codes, self.scales, self.zeros))
+        # All used tokens: what every attention call reads, once or twice a layer and step. A view costs ~1.3 us of
+        # host time and the value store's n moves only every G tokens, so the last ones are kept while n and the
+        # buffers (by identity: growth and batch edits assign new tensors) are what they were made of.
+        made_of = (hi, id(self.codes), id(self.scales), id(self.zeros))
+        memo = getattr(self, "_used_views", None)
+        if memo is None or memo[0] != made_of:
+            memo = (made_of, tuple(self._narrow(t, 0, hi) for t in (self.codes, self.scales, self.zeros)))
+            self._used_views = memo
+        return memo[1]
 
     def _grow(self, needed: int) -> None:
         """Reallocate to max(2 * cap, needed) tokens and copy the used part (appends: amortized O(1) per token)."""
@@ -201,8 +213,10 @@ class QuantStore:
         if self.n + n > self.cap:
             self._grow(self.n + n)
         codes, scales, zeros = QuantStore.views(self, self.n, self.n + n)  # this store's own buffers
-        if zeros is None:  # sym: the op still writes (all-zero) zeros, into a throwaway buffer
-            zeros = torch.empty(scales.shape, dtype=torch.float16, device=scales.device)
+        if zeros is None:  # sym: the op still writes (all-zero) zeros, into a throwaway buffer (kept: a step's shape)
+            zeros = getattr(self, "_zeros_scratch", None)
+            if zeros is None or zeros.shape != scales.shape or zeros.device != scales.device:
+                zeros = self._zeros_scratch = torch.empty(scales.shape, dtype=torch.float16, device=scales.device)
         src = (x if self.layout == "rows" else x.transpose(2, 3)).contiguous()
         # the op validates its arguments itself (ops.unchecked): this store's own views and a contiguous src
         ops.unchecked("quantize_groups_into")(
