@@ -432,7 +432,8 @@ class QuantizedLayerCache:
                 self.key_norm = self.key_norm.clone()
         if self.seq_len == 0:
             self._on_first_write(k)
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        if k.dtype != self.dtype or v.dtype != self.dtype:  # (.to() of the same dtype still costs a dispatch a step)
+            k, v = k.to(self.dtype), v.to(self.dtype)
         take = min(self.w_sink - self.n_sink, n)
         if take:  # only while the cache is shorter than w_sink, so stores and tails are empty
             self._sink_k[:, :, self.n_sink : self.n_sink + take] = k[:, :, :take]
