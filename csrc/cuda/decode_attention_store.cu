@@ -96,9 +96,15 @@ __host__ __device__ constexpr int store_smem_bytes(int D, int QR, QuantMode KM, 
 // only the warp's own epilogue writes, after its loop (D TOK / 4 bytes at most, the slice QR D 4 >= 16 D).
 __host__ __device__ constexpr int affine_bytes(QuantMode m) { return m == QuantMode::kSym ? 8 : 16; }
 __host__ __device__ constexpr int warp_table_bytes(int D, int TOK, QuantMode KM, QuantMode VM) {
-  return (D / 32) * (TOK / 16) * 8 * affine_bytes(KM) > (TOK / 32) * (D / 16) * 8 * affine_bytes(VM)
-             ? (D / 32) * (TOK / 16) * 8 * affine_bytes(KM)
-             : (TOK / 32) * (D / 16) * 8 * affine_bytes(VM);
+  const int keys = (D / 32) * (TOK / 16) * 8 * affine_bytes(KM), values = (TOK / 32) * (D / 16) * 8 * affine_bytes(VM);
+  return keys > values ? keys : values;
+}
+// One table entry from the affines of rows / channels a and b: (s_a, s_b), with zero points (s_a, s_b, zeff_a, zeff_b).
+template <bool kZero>
+__device__ __forceinline__ std::conditional_t<kZero, float4, float2> affine_entry(const GroupAffine& a,
+                                                                                   const GroupAffine& b) {
+  if constexpr (kZero) return make_float4(a.s, b.s, a.zeff, b.zeff);
+  else return make_float2(a.s, b.s);
 }
 
 // Canonical words of one key row's D / 32 blocks for thread t (bits 3: the whole row with 8-byte loads, the caller
@@ -495,10 +501,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
           if (g0 + KLPG * m < n_kg) {
             const GroupAffine fa = group_affine<KM, KB>(__ldg(s_a + KLPG * m), kKZero ? __ldg(z_a + KLPG * m) : uint16_t{0});
             const GroupAffine fb = group_affine<KM, KB>(__ldg(s_b + KLPG * m), kKZero ? __ldg(z_b + KLPG * m) : uint16_t{0});
-            KAff e;
-            if constexpr (kKZero) e = make_float4(fa.s, fb.s, fa.zeff, fb.zeff);
-            else e = make_float2(fa.s, fb.s);
-            ktab[((g0 + KLPG * m) * KM16 + pr / 8) * 8 + pr % 8] = e;
+            ktab[((g0 + KLPG * m) * KM16 + pr / 8) * 8 + pr % 8] = affine_entry<kKZero>(fa, fb);
           }
         }
         __syncwarp();  // publishes the table
@@ -646,10 +649,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
             for (int k = 0; k < KT; ++k) {
               const GroupAffine fa = group_affine<VM, VB>(__ldg(s_a + gv[k]), kVZero ? __ldg(z_a + gv[k]) : uint16_t{0});
               const GroupAffine fb = group_affine<VM, VB>(__ldg(s_b + gv[k]), kVZero ? __ldg(z_b + gv[k]) : uint16_t{0});
-              VAff e;
-              if constexpr (kVZero) e = make_float4(fa.s, fb.s, fa.zeff, fb.zeff);
-              else e = make_float2(fa.s, fb.s);
-              vtab[(k * MT + pr / 8) * 8 + pr % 8] = e;
+              vtab[(k * MT + pr / 8) * 8 + pr % 8] = affine_entry<kVZero>(fa, fb);
             }
           }
           // publishes the table (this step's reads of the keys' table in the same bytes came before its softmax's
@@ -733,8 +733,9 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   uint2* const qf = reinterpret_cast<uint2*>(ml + kWarps * QR * 2);  // [NT][KS][32]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  uint4* const kaff = reinterpret_cast<uint4*>(qf + NT * KS * 32) + warp * 2 * (D / 4);  // the warp's [2][D / 4]
-  uint4* const vaff = reinterpret_cast<uint4*>(qf + NT * KS * 32) + kWarps * 2 * (D / 4) + warp * (D / 32) * (TOK / 4);
+  uint4* const tables = reinterpret_cast<uint4*>(qf + NT * KS * 32);      // keys' [kWarps][2][D / 4], then values'
+  uint4* const kaff = tables + warp * 2 * (D / 4);                          // the warp's [2][D / 4]
+  uint4* const vaff = tables + kWarps * 2 * (D / 4) + warp * (D / 32) * (TOK / 4);  // and [D / 32][TOK / 4]
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;

@@ -179,7 +179,7 @@ class QuantStore:
         # host time and the value store's n moves only every G tokens, so the last ones are kept while n and the
         # buffers (by identity: growth and batch edits assign new tensors) are what they were made of.
         made_of = (hi, id(self.codes), id(self.scales), id(self.zeros))
-        memo = getattr(self, "_used_views", None)
+        memo = self._used_views
         if memo is None or memo[0] != made_of:
             memo = (made_of, tuple(self._narrow(t, 0, hi) for t in (self.codes, self.scales, self.zeros)))
             self._used_views = memo
@@ -214,7 +214,7 @@ class QuantStore:
             self._grow(self.n + n)
         codes, scales, zeros = QuantStore.views(self, self.n, self.n + n)  # this store's own buffers
         if zeros is None:  # sym: the op still writes (all-zero) zeros, into a throwaway buffer (kept: a step's shape)
-            zeros = getattr(self, "_zeros_scratch", None)
+            zeros = self._zeros_scratch
             if zeros is None or zeros.shape != scales.shape or zeros.device != scales.device:
                 zeros = self._zeros_scratch = torch.empty(scales.shape, dtype=torch.float16, device=scales.device)
         src = (x if self.layout == "rows" else x.transpose(2, 3)).contiguous()
