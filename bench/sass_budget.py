@@ -592,32 +592,35 @@ KNOWN_OVER: dict[tuple, float] = {
     # loaded and converted once, not by all 4 threads of a quad with a 64-bit address each), which cut 2-20 % of a
     # step and let the 8-row head_dim-128 instantiations with zero points take 64-token steps (1 asym 20.3 -> 15.7,
     # innerq_hybrid 14.3 -> 10.9); +0.1-1.2 before that from the L2 prefetch of each warp's next step (a latency lever
-    # the model does not see; the attention stage's `fused no prefetch` rows are the before on a GPU).
-    ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.7,
-    ("attn_store", 3, "sym", 3, "sym", 4, 64, "steady state"): 10.2,
-    ("attn_store", 3, "sym", 2, "sym", 4, 64, "steady state"): 10.2,
-    ("attn_store", 3, "sym", 2, "hybrid", 4, 64, "steady state"): 10.1,
-    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 14.0,
-    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 10.9,
-    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 10.9,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 11.0,
-    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 15.8,
-    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 13.5,
-    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 14.0,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 13.8,
-    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 20.8,
+    # the model does not see; the attention stage's `fused no prefetch` rows are the before on a GPU). Later that day
+    # the softmax took its scores in q' units (2^-e, log2(e) and 2^14 folded into one FFMA before each ex2, the causal
+    # limit one 32-bit subtraction a step), 1-4 % of a step on every tile: innerq_base / innerq_small / innerq_hybrid
+    # at head_dim 64, 4 rows, went 10.2 / 10.1 / 10.0 -> 9.9 / 9.8 / 9.8, within the budget, and kivi2 there 10.2 ->
+    # 9.9. Then the 8-row tiles' MMAs took the query rows as B's 8 columns and the hi / lo halves as two more k-steps
+    # (block_mma4: the same 4 MMAs a block, no FADD of hi and lo after each): 8 rows at head_dim 128 10.6 -> 10.1-10.2,
+    # at 64 12.9-13.4 -> 11.8-12.5, the 1-bit preset 15.3 / 19.8 -> 14.7 / 17.5.
+    ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.5,
+    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 13.5,
+    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 10.2,
+    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 10.1,
+    ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 10.1,
+    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 14.7,
+    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 11.9,
+    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 12.5,
+    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 12.4,
+    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 17.6,
     # the KIVI tiles (kivi_tiles_kernel): the dequantization is 2 instructions per value pair more than the InnerQ
     # tiles' decode (a PRMT gathers two rows' codes, an HFMA2 applies s u + z before the MMA). Until 2026-11-29 every
     # k-step also loaded its 4 rows' scales and zeros one 2-byte load at a time (~3 instructions of address each, a
     # PRMT per pair, 4 lanes loading the same values); the warp's scale / zero tables cut 15-22 % of each step (kivi2
     # at head_dim 128: 10.1 / 12.6 -> 8.1 / 9.9 at 4 / 8 rows, now within the budget; kivi1 15.1 / 18.8 -> 12.0 / 14.6).
-    # kivi4 at head_dim 128 and 64, 4 and 8 rows, is within the budget
-    ("attn_kivi", 2, "asym", 2, "asym", 4, 64, "steady state"): 10.3,
-    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 13.1,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 12.1,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 14.7,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 15.1,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 19.3,
+    # kivi4 at head_dim 128 and 64, 4 and 8 rows, is within the budget, and kivi2 at head_dim 64 and 4 rows since the
+    # softmax's fold (above)
+    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 12.4,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.9,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 14.2,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 14.6,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 18.3,
     # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
     # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
     # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2

@@ -7,11 +7,13 @@
 // TOK = 64 tokens (steps w, w + 4, ... of the split) with its own online softmax, and the CTA merges the 4 warps'
 // partials at the end, so no CTA barrier runs inside the step loop. Per step and warp (32-token blocks):
 //   scores  S[j, r] = sum_c K[j, c] q'[r, c]: m16n8k16 MMAs with A = 16 key rows x 16 channels (codes decoded two per
-//           LOP3 + HFMA2 to exact fp16 integers, mma.cuh) and B = the query rows as hi / lo fp16 pairs (8 columns =
-//           4 rows x (hi, lo)), q' = x * key_x_scale * 2^e per row; each 32-channel block's fp32 result is folded
-//           with the token's group scale (and zeff * sum(q') for asym / hybrid keys), as gemv_inner_q does.
-//   softmax thread (g, t) holds tokens g, g + 8, 16 + g, 24 + g of query row t (per n-tile): the row's max and sum
-//           over the tile are 3 shuffles each; p = exp(S - m) in fp32.
+//           LOP3 + HFMA2 to exact fp16 integers, mma.cuh) and B = the query rows as hi / lo fp16 pairs (4 rows: 8
+//           columns = 4 rows x (hi, lo); 8 rows: 8 columns = 8 rows, hi and lo as two more k-steps into the same
+//           accumulators, block_mma4), q' = x * key_x_scale * 2^e per row; each 32-channel block's fp32 result is
+//           folded with the token's group scale (and zeff * sum(q') for asym / hybrid keys), as gemv_inner_q does.
+//   softmax thread (g, t) holds tokens g, g + 8, 16 + g, 24 + g of query row t (4 rows; rows 2t, 2t + 1 with 8):
+//           the row's max and sum over the tile are 3 shuffles each; p * 2^14 = ex2((S - m) 2^-e log2(e) + 14) in fp32
+//           on the scores in q' units (score_rows, the kernel's softmax).
 //   P.V     A = 16 channels x 16 tokens of the value store (the packed block of a channel is 32 tokens, so one tile is
 //           one block and one group per channel), B = p * 2^14 as hi / lo pairs, staged through shared memory into
 //           the B fragment's token order; the fp32 result is folded with the channel's group scale (and zeff * sum(p)).
@@ -44,6 +46,8 @@ constexpr int kThreads = 128;  // 4 warps, each its own tiles
 constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 32;
 constexpr float kPScale = 16384.f;  // p * 2^14 in the B fragments (p <= 1: at most 2^14, far below fp16's max)
+constexpr float kPScaleLog2 = 14.f;
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMinSplitTokens = 512;  // 2 steps per warp: the prologue and the merge stay small
 
 // The InnerQ tiles' shared memory (floats, all parts 16-byte aligned): staged queries [QR][D]; sum of each 32-channel
@@ -162,6 +166,21 @@ __device__ __forceinline__ void block_mma2(float (&d)[4], const uint32_t (&ha)[4
   mma_m16n8k16(d, A1, B1, d);
 }
 
+// The 8-row form (kKDup): B's 8 columns are 8 query rows, and the hi / lo halves of the split go to the same
+// accumulators as two more k-steps (4 MMAs, as two n-tiles of 4 rows x (hi, lo) take), so d holds (row g, query
+// rows 2t, 2t + 1) and (row g + 8, the same): their sum of hi and lo needs no FADD.
+__device__ __forceinline__ void block_mma4(float (&d)[4], const uint32_t (&ha)[4], const uint32_t (&hb)[4],
+                                           const uint4& Bhi, const uint4& Blo) {
+  const uint32_t A0[4] = {ha[0], hb[0], ha[1], hb[1]};
+  const uint32_t A1[4] = {ha[2], hb[2], ha[3], hb[3]};
+  const uint32_t H0[2] = {Bhi.x, Bhi.y}, H1[2] = {Bhi.z, Bhi.w}, L0[2] = {Blo.x, Blo.y}, L1[2] = {Blo.z, Blo.w};
+  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+  mma_m16n8k16(d, A0, H0, zero);
+  mma_m16n8k16(d, A1, H1, d);
+  mma_m16n8k16(d, A0, L0, d);
+  mma_m16n8k16(d, A1, L1, d);
+}
+
 // The CTA's coordinates: (b, h_kv), query rows r0 .. r0 + nr - 1 of the R = gq x T rows of the KV head (row block
 // blockIdx.x % row_blocks), the split's store tokens [lo, hi) of [0, F) (empty past F), the sink length S and the
 // token count N it attends over (from device memory with p.lengths).
@@ -191,30 +210,37 @@ __device__ __forceinline__ uint32_t row_bytes(int64_t stride, uint32_t elem) {
   return static_cast<uint32_t>(stride) * elem;
 }
 
-// A thread's score rows 4 nt + t: the caller's mask row or the causal limit, and the online softmax's running max and
-// sum (m = -inf, l = 0 until a finite score is seen).
+// A thread's score rows (score_row): the caller's mask row or the causal limit, and the online softmax's running max
+// and sum (m = -inf, l = 0 until a finite score is seen). The limit is the row's last visible store token counted from
+// the split's first (lo), clamped to [-1, 2^30] (F < 2^30: store_tiles_supported's 32-bit row offsets), -1 for a row
+// past nr: a step at offset f0 - lo sees step token k while k <= limit - (f0 - lo), one 32-bit subtraction a step.
+constexpr int kLimitCap = 1 << 30;
 template <int NT>
 struct ScoreRows {
   const float* mrow[NT];
-  int64_t limit[NT];
+  int limit[NT];
   bool live[NT];  // a row of the CTA's (rows past nr: every score -inf)
   float m_run[NT], l_run[NT];
   __device__ __forceinline__ const float* mask_row(int nt) const { return mrow[nt]; }
-  __device__ __forceinline__ int64_t limit_of(int nt) const { return limit[nt]; }
+  __device__ __forceinline__ int limit_of(int nt) const { return limit[nt]; }
 };
 
-template <int NT>
+// Row of n-tile slot nt of thread t: 4 nt + t, or with the k-split MMAs (kKDup) 2 t + nt.
+__device__ __forceinline__ int score_row(bool kdup, int nt, int t) { return kdup ? 2 * t + nt : 4 * nt + t; }
+
+template <int NT, bool KDUP = false>
 __device__ __forceinline__ ScoreRows<NT> score_rows(const DecodeAttentionParams& p, const StoreTilesLaunch& L,
                                                     const TileCta& c, int t) {
   ScoreRows<NT> rows;
   const int64_t T = p.T;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int r = 4 * nt + t, q = c.r0 + min(r, c.nr - 1);
+    const int r = score_row(KDUP, nt, t), q = c.r0 + min(r, c.nr - 1);
     const int64_t h = c.hk * L.gq + q / T, tq = q % T;
     rows.live[nt] = r < c.nr;
     rows.mrow[nt] = p.mask != nullptr ? p.mask + c.b * p.m_sb + h * p.m_sh + tq * p.m_st : nullptr;
-    rows.limit[nt] = c.N - T + tq;
+    const int64_t rel = c.N - T + tq - (c.S + c.lo);  // the row sees attention tokens up to N - T + tq
+    rows.limit[nt] = r < c.nr ? static_cast<int>(min(max(rel, int64_t{-1}), int64_t{kLimitCap})) : -1;
     rows.m_run[nt] = -INFINITY;
     rows.l_run[nt] = 0.f;
   }
@@ -230,7 +256,7 @@ struct PackedScoreRows {
   bool live[NT];
   float m_run[NT], l_run[NT];
   __device__ __forceinline__ const float* mask_row(int nt) const { return reinterpret_cast<const float*>(sel[nt]); }
-  __device__ __forceinline__ int64_t limit_of(int nt) const { return sel[nt]; }
+  __device__ __forceinline__ int limit_of(int nt) const { return static_cast<int>(sel[nt]); }
 };
 
 template <int NT>
@@ -251,17 +277,18 @@ struct StepMax {
 
 // Masks row nt's scores of one warp step, s[j] for the step token lane_tok + tok(j) (0 .. STEP - 1; tok(j) a
 // compile-time offset; attention token first + the step token), and takes the row's max over the quad's 8 lanes
-// (3 shuffles) into its running max.
+// (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and stay there, or with a
+// caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running scores (the store
+// tiles' softmax, store_tiles_kernel).
 template <int NS, int STEP, int NT, typename TokenOf>
-__device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows, int nt, int64_t first, int lane_tok,
-                                            const TokenOf& tok) {
+__device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows, int nt, int64_t first, int step_off,
+                                            int lane_tok, const TokenOf& tok, float us, float kl) {
   if (rows.mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
     const float* mj = rows.mrow[nt] + (first + lane_tok);
 #pragma unroll
-    for (int j = 0; j < NS; ++j) s[j] = rows.live[nt] ? s[j] + __ldg(mj + tok(j)) : -INFINITY;
-  } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
-    const int lim =
-        rows.live[nt] ? static_cast<int>(min(max(rows.limit[nt] - first, int64_t{-1}), int64_t{STEP})) : -1;
+    for (int j = 0; j < NS; ++j) s[j] = rows.live[nt] ? fmaf(s[j], us, __ldg(mj + tok(j))) : -INFINITY;
+  } else {  // causal: step token k is visible to the row while k <= its limit (negative: none, a row past nr)
+    const int lim = rows.limit[nt] - step_off;
 #pragma unroll
     for (int j = 0; j < NS; ++j) s[j] = tok(j) + lane_tok <= lim ? s[j] : -INFINITY;
   }
@@ -276,7 +303,7 @@ __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows,
   m.m_new = nan_max(rows.m_run[nt], tmax);
   m.seen = m.m_new != -INFINITY;
   m.alpha = 1.f;
-  if (m.seen) m.alpha = expf(rows.m_run[nt] - m.m_new);
+  if (m.seen) m.alpha = exp2f((rows.m_run[nt] - m.m_new) * kl);
   return m;
 }
 
@@ -355,6 +382,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
   uint4* const qf = reinterpret_cast<uint4*>(ml + kWarps * QR * 2);  // [NT][NB][32]
   constexpr bool kPfSmem = pf_in_smem(D, NT, KM, VM);
+  // 8 rows: B's columns are the 8 query rows, hi and lo two more k-steps (block_mma4); slot nt of a thread is row
+  // 2t + nt. 4 rows: 4 rows x (hi, lo) columns (block_mma2), slot nt row 4 nt + t.
+  constexpr bool kKDup = NT == 2;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
@@ -405,25 +435,31 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 #pragma unroll
     for (int cb = 0; cb < NB; ++cb) {
       if (warp == 0) {
-        float v[8];
-        const float* src = qs + (4 * nt + (g >> 1)) * D + 32 * cb + 8 * t;
+        float v[8];  // (kKDup: slot nt holds part nt of row g)
+        const float* src = qs + (kKDup ? g : 4 * nt + (g >> 1)) * D + 32 * cb + 8 * t;
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = src[i];
-        qf[(nt * NB + cb) * 32 + lane] = b_fragment(v, part);
+        qf[(nt * NB + cb) * 32 + lane] = b_fragment(v, kKDup ? static_cast<float>(nt) : part);
       }
-      xsr[nt][cb] = kKZero ? xsum_s[(4 * nt + t) * NB + cb] : 0.f;
+      xsr[nt][cb] = kKZero ? xsum_s[score_row(kKDup, nt, t) * NB + cb] : 0.f;
     }
-    us[nt] = unscale_s[4 * nt + t];
+    us[nt] = unscale_s[score_row(kKDup, nt, t)];
   }
   __syncthreads();
   const uint4* const qfl = qf + lane;
 
   // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
   const bool masked = p.mask != nullptr;
-  // the packed form where the 64-token steps need its registers (kPfSmem); elsewhere ptxas lays the plain one out better
+  // The online softmax runs on the folds' results as they come (q' units: score * 2^e), or where a caller's mask is
+  // added, in score units (fmaf(s, 2^-e, mask): a mask of finfo.min stays finite there, as the reference's): kl is
+  // log2(e) per unit of the row's running scores, so that p * 2^14 is one FFMA and an ex2 from s - m (the scaling by
+  // 2^-e, by log2(e) and by 2^14 folded in), and the running max goes back to score units once, in the epilogue.
+  // l_run sums p * 2^14 likewise.
+  // the packed form where the steps need its registers (kPfSmem; and 4 rows at head_dim 128 with asym keys, where the
+  // softmax's per-row log2(e) / 2^e factor spilled at 168 registers); elsewhere ptxas lays the plain one out better
   auto rows = [&] {
-    if constexpr (kPfSmem) return packed(score_rows<NT>(p, L, c, t), masked);
-    else return score_rows<NT>(p, L, c, t);
+    if constexpr (kPfSmem || (D == 128 && kKZero)) return packed(score_rows<NT, kKDup>(p, L, c, t), masked);
+    else return score_rows<NT, kKDup>(p, L, c, t);
   }();
 
   // Addressing: 64-bit bases of the (b, h_kv) slices, rows reached by one mad.wide.u32 each (offset_rows) with the
@@ -515,21 +551,36 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
         uint32_t ha[4], hb[4];
         decode_inner_q<KB, KOFF>(Xa[cb], Xha[cb], L.dec_k, ha);
         decode_inner_q<KB, KOFF>(Xb[cb], Xhb[cb], L.dec_k, hb);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        if constexpr (kKDup) {  // d: (token a, rows 2t, 2t + 1), (token b, the same)
           float d[4];
-          block_mma2(d, ha, hb, qfl[(nt * NB + cb) * 32]);
-          if constexpr (kKZero) {
-            acc[nt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
-            acc[nt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
-          } else {
-            acc[nt][0] = fmaf(e.x, d[0] + d[1], acc[nt][0]);
-            acc[nt][1] = fmaf(e.y, d[2] + d[3], acc[nt][1]);
+          block_mma4(d, ha, hb, qfl[cb * 32], qfl[(NB + cb) * 32]);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if constexpr (kKZero) {
+              acc[nt][0] = fmaf(e.x, d[nt], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
+              acc[nt][1] = fmaf(e.y, d[2 + nt], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
+            } else {
+              acc[nt][0] = fmaf(e.x, d[nt], acc[nt][0]);
+              acc[nt][1] = fmaf(e.y, d[2 + nt], acc[nt][1]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float d[4];
+            block_mma2(d, ha, hb, qfl[(nt * NB + cb) * 32]);
+            if constexpr (kKZero) {
+              acc[nt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
+              acc[nt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
+            } else {
+              acc[nt][0] = fmaf(e.x, d[0] + d[1], acc[nt][0]);
+              acc[nt][1] = fmaf(e.y, d[2] + d[3], acc[nt][1]);
+            }
           }
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) sc[nt][mt][0] = acc[nt][0] * us[nt], sc[nt][mt][1] = acc[nt][1] * us[nt];
+      for (int nt = 0; nt < NT; ++nt) sc[nt][mt][0] = acc[nt][0], sc[nt][mt][1] = acc[nt][1];
     }
 
     // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
@@ -546,9 +597,10 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
 #pragma unroll
-          for (int i = 0; i < 2; ++i) sc[nt][mt][i] = rows.live[nt] ? sc[nt][mt][i] + __ldg(mj + 16 * mt + 8 * i) : -INFINITY;
+          for (int i = 0; i < 2; ++i)
+            sc[nt][mt][i] = rows.live[nt] ? fmaf(sc[nt][mt][i], us[nt], __ldg(mj + 16 * mt + 8 * i)) : -INFINITY;
       } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
-        const int lim = rows.live[nt] ? static_cast<int>(min(max(rows.limit_of(nt) - (S + f0), int64_t{-1}), int64_t{TOK})) : -1;
+        const int lim = rows.limit_of(nt) - static_cast<int>(f0 - lo);  // (negative: none, a row past nr)
 #pragma unroll
         for (int mt = 0; mt < KM16; ++mt)
 #pragma unroll
@@ -564,8 +616,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       const float m_new = nan_max(rows.m_run[nt], tmax);
       float alpha = 1.f;
       const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
-      if (seen) alpha = expf(rows.m_run[nt] - m_new);
-      float sum = 0.f;
+      const float kl = masked ? kLog2e : us[nt] * kLog2e;  // (a register a row less than keeping it: spills at 168)
+      if (seen) alpha = exp2f((rows.m_run[nt] - m_new) * kl);
+      float sum = 0.f;  // of p * 2^14, as l_run
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
         float bsum = 0.f;
@@ -573,9 +626,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
         for (int mt = 2 * kb; mt < 2 * kb + 2; ++mt)
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const float pj = seen ? expf(sc[nt][mt][i] - m_new) : 0.f;
+            const float pj = seen ? exp2f(fmaf(sc[nt][mt][i] - m_new, kl, kPScaleLog2)) : 0.f;  // p * 2^14
             bsum += pj;
-            ps[(4 * nt + t) * TOK + 16 * mt + 8 * i + g] = pj * kPScale;
+            ps[score_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
           }
         if (kVZero || kb == KT - 1) {  // one butterfly for the row's sum; one per block where the values need it
           const float v = kVZero ? bsum : sum + bsum;
@@ -583,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
           r += __shfl_xor_sync(0xffffffffu, r, 8);
           r += __shfl_xor_sync(0xffffffffu, r, 16);
           if (kVZero) {
-            psum[nt][kb] = r * kPScale;
+            psum[nt][kb] = r;
             sum += r;
           } else {
             sum = r;
@@ -605,11 +658,12 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
-        const float* src = ps + (4 * nt + (g >> 1)) * TOK + 32 * kb + 8 * t;
+        const float* src = ps + (kKDup ? g : 4 * nt + (g >> 1)) * TOK + 32 * kb + 8 * t;
         const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
         const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        if constexpr (kPfSmem) pfs[(nt * KT + kb) * 32] = b_fragment(v, part);
-        else pf[nt][kb] = b_fragment(v, part);
+        const float pt = kKDup ? static_cast<float>(nt) : part;
+        if constexpr (kPfSmem) pfs[(nt * KT + kb) * 32] = b_fragment(v, pt);
+        else pf[nt][kb] = b_fragment(v, pt);
       }
 
     // ---- P.V: the value store's blocks f0 / 32 + kb of channels 16 mt + g (+ 8) ---------------------------------
@@ -660,16 +714,31 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
         uint32_t ha[4], hb[4];
         decode_inner_q<VB, VOFF>(Xa, Xha, L.dec_v, ha);
         decode_inner_q<VB, VOFF>(Xb, Xhb, L.dec_v, hb);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        if constexpr (kKDup) {  // d: (channel 16 mt + g, rows 2t, 2t + 1), (channel + 8, the same)
           float d[4];
-          block_mma2(d, ha, hb, kPfSmem ? pfs[(nt * KT + kb) * 32] : pf[nt][kb]);
-          if constexpr (kVZero) {
-            o[nt][mt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
-            o[nt][mt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
-          } else {
-            o[nt][mt][0] = fmaf(e.x, d[0] + d[1], o[nt][mt][0]);
-            o[nt][mt][1] = fmaf(e.y, d[2] + d[3], o[nt][mt][1]);
+          block_mma4(d, ha, hb, kPfSmem ? pfs[kb * 32] : pf[0][kb], kPfSmem ? pfs[(KT + kb) * 32] : pf[NT - 1][kb]);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if constexpr (kVZero) {
+              o[nt][mt][0] = fmaf(e.x, d[nt], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
+              o[nt][mt][1] = fmaf(e.y, d[2 + nt], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
+            } else {
+              o[nt][mt][0] = fmaf(e.x, d[nt], o[nt][mt][0]);
+              o[nt][mt][1] = fmaf(e.y, d[2 + nt], o[nt][mt][1]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float d[4];
+            block_mma2(d, ha, hb, kPfSmem ? pfs[(nt * KT + kb) * 32] : pf[nt][kb]);
+            if constexpr (kVZero) {
+              o[nt][mt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
+              o[nt][mt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
+            } else {
+              o[nt][mt][0] = fmaf(e.x, d[0] + d[1], o[nt][mt][0]);
+              o[nt][mt][1] = fmaf(e.y, d[2] + d[3], o[nt][mt][1]);
+            }
           }
         }
       }
@@ -680,11 +749,14 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   __syncwarp();  // the loop's last reads of the affine table, in the slice of om written here
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int r = 4 * nt + t;
+    const int r = score_row(kKDup, nt, t);
     float* dst = om + (warp * QR + r) * D;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) dst[16 * mt + g] = o[nt][mt][0], dst[16 * mt + g + 8] = o[nt][mt][1];
-    if (g == 0) ml[(warp * QR + r) * 2] = rows.m_run[nt], ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt];
+    if (g == 0) {
+      ml[(warp * QR + r) * 2] = masked ? rows.m_run[nt] : rows.m_run[nt] * us[nt];
+      ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt] * (1.f / kPScale);
+    }
   }
   __syncthreads();
   merge_warps<D, QR>(p, L, c, om, ml, tid);
@@ -780,6 +852,7 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
 
   // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
   ScoreRows<NT> rows = score_rows<NT>(p, L, c, t);
+  const bool masked = p.mask != nullptr;
 
   // Addressing (32-bit row offsets from 64-bit slice bases, as above). Keys: this thread's channel rows 16 ks + 4t + j,
   // at the lane's tokens of the step: word (f0 / 32) KB + kslot.word, group of token f0 + 8g. Values: token rows
@@ -869,8 +942,8 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < KCPL / 2; ++i) {
-        sc[nt][2 * i] = (d[i][nt][0] + d[i][nt][1]) * us[nt];
-        sc[nt][2 * i + 1] = (d[i][nt][2] + d[i][nt][3]) * us[nt];
+        sc[nt][2 * i] = d[i][nt][0] + d[i][nt][1];
+        sc[nt][2 * i + 1] = d[i][nt][2] + d[i][nt][3];
       }
 
     // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
@@ -878,19 +951,20 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       // the lane's offset inside tok (not lane_tok): 1 point less at 1 bit, head_dim 64, 8 rows (ptxas)
-      const StepMax sm = step_max<KCPL, TOK>(sc[nt], rows, nt, S + f0, 0, [&](int j) { return KCPL * g + j; });
+      const float kl = masked ? kLog2e : us[nt] * kLog2e;  // the store tiles' softmax (see there)
+      const auto tok_of = [&](int j) { return KCPL * g + j; };
+      const StepMax sm = step_max<KCPL, TOK>(sc[nt], rows, nt, S + f0, static_cast<int>(f0 - lo), 0, tok_of, us[nt], kl);
       const float m_new = sm.m_new, alpha = sm.alpha;
       const bool seen = sm.seen;
-      float pj[KCPL], sum = 0.f;
+      float pj[KCPL], sum = 0.f;  // p * 2^14
 #pragma unroll
       for (int j = 0; j < KCPL; ++j) {
-        pj[j] = seen ? expf(sc[nt][j] - m_new) : 0.f;
+        pj[j] = seen ? exp2f(fmaf(sc[nt][j] - m_new, kl, kPScaleLog2)) : 0.f;
         sum += pj[j];
       }
       float* dst = ps + (4 * nt + t) * TOK + KCPL * g;
-      *reinterpret_cast<float4*>(dst) = make_float4(pj[0] * kPScale, pj[1] * kPScale, pj[2] * kPScale, pj[3] * kPScale);
-      *reinterpret_cast<float4*>(dst + 4) =
-          make_float4(pj[4] * kPScale, pj[5] * kPScale, pj[6] * kPScale, pj[7] * kPScale);
+      *reinterpret_cast<float4*>(dst) = make_float4(pj[0], pj[1], pj[2], pj[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(pj[4], pj[5], pj[6], pj[7]);
       sum += __shfl_xor_sync(0xffffffffu, sum, 4);
       sum += __shfl_xor_sync(0xffffffffu, sum, 8);
       sum += __shfl_xor_sync(0xffffffffu, sum, 16);
@@ -960,7 +1034,10 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
       dst[2 * i] = o[i][nt][0] + o[i][nt][1];
       dst[2 * i + 1] = o[i][nt][2] + o[i][nt][3];
     }
-    if (g == 0) ml[(warp * QR + r) * 2] = rows.m_run[nt], ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt];
+    if (g == 0) {
+      ml[(warp * QR + r) * 2] = masked ? rows.m_run[nt] : rows.m_run[nt] * us[nt];
+      ml[(warp * QR + r) * 2 + 1] = rows.l_run[nt] * (1.f / kPScale);
+    }
   }
   __syncthreads();
   merge_warps<D, QR>(p, L, c, om, ml, tid);
