@@ -278,8 +278,8 @@ struct StepMax {
 // Masks row nt's scores of one warp step, s[j] for the step token lane_tok + tok(j) (0 .. STEP - 1; tok(j) a
 // compile-time offset; attention token first + the step token), and takes the row's max over the quad's 8 lanes
 // (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and stay there, or with a
-// caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running scores (the store
-// tiles' softmax, store_tiles_kernel).
+// caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running scores (the KIVI
+// tiles; the InnerQ tiles write the same steps out, store_tiles_kernel).
 template <int NS, int STEP, int NT, typename TokenOf>
 __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows, int nt, int64_t first, int step_off,
                                             int lane_tok, const TokenOf& tok, float us, float kl) {
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     __syncthreads();
   }
   // the key MMAs' B fragments (warp 0 writes them all, the barrier below publishes them), the zero-term sums and 2^-e
-  // of this thread's rows (4 nt + t)
+  // of this thread's rows (score_row)
   float xsr[NT][NB], us[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -651,8 +651,8 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       for (int mt = 0; mt < MT; ++mt) o[nt][mt][0] *= alpha, o[nt][mt][1] *= alpha;
     }
     __syncwarp();
-    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (pf_in_smem: into
-    // this lane's slots of pfs, read back by this lane only)
+    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (kKDup: row g, part
+    // nt) (pf_in_smem: into this lane's slots of pfs, read back by this lane only)
     uint4 pf[NT][KT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -1126,6 +1126,7 @@ bool store_tiles_supported(const DecodeAttentionParams& p) {
   if ((p.D != 64 && p.D != 128) || store_kernel(p, 1) == nullptr) return false;
   if (p.group_size <= 0 || p.group_size > p.D || p.D % p.group_size != 0 || p.group_size % 32 != 0) return false;
   if (kivi_layouts(p) && (p.keys.zeros == nullptr || p.values.zeros == nullptr)) return false;
+  if (std::min(p.keys.m, p.values.m) >= kLimitCap) return false;  // the score rows' 32-bit causal limits
   // the kernel's 32-bit row offsets: each (b, h_kv) slice of codes / scales / zeros spans < 2^32 bytes
   const auto fits = [](int64_t rows, int64_t stride, int64_t esz) { return rows * stride * esz < (int64_t{1} << 32) - 64; };
   for (const AttnStore* st : {&p.keys, &p.values}) {
