@@ -40,6 +40,7 @@ its ATTN_CEILING, missing, or touches local memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -362,6 +363,18 @@ def hot_loops(k: Kernel) -> tuple[Loop | None, Loop | None]:
     return hot, key
 
 
+def masked_steps_loop(k: Kernel, hot: Loop) -> Loop | None:
+    """The InnerQ attention tiles' second step loop, or None: steps below every row's causal limit without a caller's
+    mask (decode at q_len 1: every step) run a loop without masking code, the steady state (hot_loops takes the smaller
+    of two loops with the same HMMA); the others (a caller's mask, a longer query's last steps) run the same step
+    with the masks. Its row is printed with the kernel's, outside the gate (a rarer path, whose extra work is the
+    mask)."""
+    loops = find_loops(k)
+    innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops) and lp != hot]
+    same = [lp for lp in innermost if op_count(k, lp, "HMMA") == op_count(k, hot, "HMMA")]
+    return max(same, key=lambda lp: lp.end - lp.start) if same else None
+
+
 def ring64_tiles(bits: int) -> int:
     """16-row tiles per ring item of the InnerQ key GEMV at head_dim 64: ring64_rows<BITS>() / 16 (gemv_inner_q.cu)."""
     return 1 if bits == 4 else 2
@@ -530,7 +543,7 @@ class Row:
     regs: int
     spill: int
     ctas: int
-    what: str  # "steady state", "key tile (L=128)" or "key tile (L=64)"
+    what: str  # "steady state", "key tile (L=128)", "key tile (L=64)" or "masked steps" (attention tiles)
     m: dict
     preset: bool
 
@@ -598,29 +611,31 @@ KNOWN_OVER: dict[tuple, float] = {
     # at head_dim 64, 4 rows, went 10.2 / 10.1 / 10.0 -> 9.9 / 9.8 / 9.8, within the budget, and kivi2 there 10.2 ->
     # 9.9. Then the 8-row tiles' MMAs took the query rows as B's 8 columns and the hi / lo halves as two more k-steps
     # (block_mma4: the same 4 MMAs a block, no FADD of hi and lo after each): 8 rows at head_dim 128 10.6 -> 10.1-10.2,
-    # at 64 12.9-13.4 -> 11.8-12.5, the 1-bit preset 15.3 / 19.8 -> 14.7 / 17.5.
+    # at 64 12.9-13.4 -> 11.8-12.5, the 1-bit preset 15.3 / 19.8 -> 14.7 / 17.5. And the steps below every row's
+    # causal limit without a caller's mask (every step of a q_len-1 decode) run a loop of their own without the masking
+    # code (the other steps: the `masked steps` rows, not gated, ~ the numbers before): innerq_base / innerq_small /
+    # innerq_hybrid at 8 rows and head_dim 128 -> 9.6 / 9.3 / 9.4, within the budget; at 64 10.6 / 11.2 / 11.3; 4
+    # rows at head_dim 128 keep one loop (two spilled at 168 registers).
     ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.5,
-    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 13.5,
-    ("attn_store", 3, "sym", 3, "sym", 8, 128, "steady state"): 10.2,
-    ("attn_store", 3, "sym", 2, "sym", 8, 128, "steady state"): 10.1,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 128, "steady state"): 10.1,
-    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 14.7,
-    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 11.9,
-    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 12.5,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 12.4,
-    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 17.6,
+    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.6,
+    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.8,
+    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 10.6,
+    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 11.2,
+    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 11.3,
+    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 15.4,
     # the KIVI tiles (kivi_tiles_kernel): the dequantization is 2 instructions per value pair more than the InnerQ
     # tiles' decode (a PRMT gathers two rows' codes, an HFMA2 applies s u + z before the MMA). Until 2026-11-29 every
     # k-step also loaded its 4 rows' scales and zeros one 2-byte load at a time (~3 instructions of address each, a
     # PRMT per pair, 4 lanes loading the same values); the warp's scale / zero tables cut 15-22 % of each step (kivi2
     # at head_dim 128: 10.1 / 12.6 -> 8.1 / 9.9 at 4 / 8 rows, now within the budget; kivi1 15.1 / 18.8 -> 12.0 / 14.6).
     # kivi4 at head_dim 128 and 64, 4 and 8 rows, is within the budget, and kivi2 at head_dim 64 and 4 rows since the
-    # softmax's fold (above)
-    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 12.4,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.9,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 14.2,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 14.6,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 18.3,
+    # softmax's fold (above). The visible-steps loop (above) took kivi2 at head_dim 64 x 8 rows 12.3 -> 11.1, the 1-bit
+    # rows 11.9-18.2 -> 11.5-16.4.
+    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 11.1,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.5,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.3,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 13.1,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 16.4,
     # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
     # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
     # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2
@@ -723,6 +738,10 @@ def analyse(kernels: list[Kernel]) -> list[Row]:
             except ValueError as e:
                 raise RuntimeError(f"{k.name} (sm_{k.arch}): {e}") from None
         rows.append(loop_row(k, s, hot, "steady state", nbytes, ctas))
+        if s.family in ATTN_TILES:
+            masked = masked_steps_loop(k, hot)
+            if masked is not None:  # reported, not gated: see masked_steps_loop
+                rows.append(dataclasses.replace(loop_row(k, s, masked, "masked steps", nbytes, ctas), preset=False))
         if key is not None:
             rows.append(loop_row(k, s, key, "key tile (L=128)", key_tile_bytes(s), ctas))
         if s.family == "inner_q" and s.ring and s.bits == 4:  # 4-bit keys at head_dim 64: one-tile ring items

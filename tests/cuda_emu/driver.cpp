@@ -1288,15 +1288,17 @@ void attn_cases() {
   { AttnCase a; a.kivi_tiles = true; a.D = 64; a.G = 64; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 2; a.mk = 384; a.mv = 400; a.ntk = 30; a.H_q = 6; a.H_kv = 1;
     a.mask_kind = 1; a.dt = XDtype::kBF16; a.num_sms = 16; attn_case(a); }                                // kivi4
-  // causal limits inside the tiles' last step (q_len T = 4 and no tails: query row tq sees the store up to its
-  // N - 4 + tq), in a split that starts past 0 (the limits count from the split's first token): InnerQ at 4 and 8 rows,
-  // KIVI at 4 rows
-  { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.T = 4; a.S = 2; a.mk = 320; a.mv = 320; a.ntk = 0;
-    a.split_tokens = 128; a.expect_splits = 4; attn_case(a); }
+  // causal limits inside the tiles' last step (q_len T > 1 and no tails: query row tq sees the store up to its
+  // N - T + tq), in a split that starts past 0 (the limits count from the split's first token): InnerQ at 4 and 8 rows,
+  // KIVI at 4 rows. T = 2 puts the least limit at step token 62: the step must take the masked loop (InnerQ tiles:
+  // steps below every row's limit run without masks), and an off-by-one either way fails.
+  { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.T = 2; a.H_q = 4; a.S = 2; a.mk = 320; a.mv = 320;
+    a.ntk = 0; a.split_tokens = 128; a.expect_splits = 4; attn_case(a); }
   { AttnCase a; a.aligned = true; a.D = 128; a.kbits = 3; a.vbits = 2; a.vmode = QM::kHybrid; a.H_q = 2; a.H_kv = 1;
     a.T = 4; a.S = 1; a.mk = 384; a.mv = 384; a.ntk = 0; a.xscale = true; a.split_tokens = 128; a.expect_splits = 4; attn_case(a); }
   { AttnCase a; a.kivi_tiles = true; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym; a.klay = SL::kCols;
-    a.vlay = SL::kRows; a.T = 4; a.S = 0; a.mk = 320; a.mv = 320; a.ntk = 0; a.split_tokens = 128; attn_case(a); }
+    a.vlay = SL::kRows; a.T = 2; a.H_q = 4; a.S = 0; a.mk = 320; a.mv = 320; a.ntk = 0; a.split_tokens = 128;
+    attn_case(a); }
   { AttnCase a; a.kivi_tiles = true; a.D = 128; a.kbits = a.vbits = 1; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 5; a.mk = 320; a.mv = 330; a.ntk = 40; a.T = 3; a.H_q = 2;
     a.H_kv = 1; a.split_tokens = 64; attn_case(a); }                                                       // kivi1

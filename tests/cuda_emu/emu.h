@@ -101,6 +101,15 @@ inline float shfl_xor(unsigned mask, float v, int off) {
   w.bar->arrive_and_wait();
   return r;
 }
+// ints ride the float lanes as bits (copies only, no arithmetic: every pattern survives)
+inline int shfl_xor(unsigned mask, int v, int off) {
+  float f;
+  std::memcpy(&f, &v, sizeof f);
+  f = shfl_xor(mask, f, off);
+  int r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+}
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 and its bf16 twin (fragment layout in csrc/kvkernels/mma.cuh):
 // every lane posts its fragments, then computes its four outputs from all 32 lanes' A and B. Products of fp16 (or
 // bf16) values are exact in double and the 16-term sums nearly so; the result is rounded once to fp32 (the
