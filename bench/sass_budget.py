@@ -367,8 +367,10 @@ def masked_steps_loop(k: Kernel, hot: Loop) -> Loop | None:
     """The InnerQ attention tiles' second step loop, or None: steps below every row's causal limit without a caller's
     mask (decode at q_len 1: every step) run a loop without masking code, the steady state (hot_loops takes the smaller
     of two loops with the same HMMA); the others (a caller's mask, a longer query's last steps) run the same step
-    with the masks. Its row is printed with the kernel's, outside the gate (a rarer path, whose extra work is the
-    mask)."""
+    with the masks. Its row is printed with the kernel's (not with --presets-only), outside the instructions-per-byte
+    gate (a rarer path, whose extra work is the mask; its count holds both mask branches, the caller's and the causal
+    one, of which a step runs one); local memory in it still fails the gate. The steady state is told apart by size,
+    not by content: a ptxas that moved the masking code out of the loop would swap them (the rows would show it)."""
     loops = find_loops(k)
     innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops) and lp != hot]
     same = [lp for lp in innermost if op_count(k, lp, "HMMA") == op_count(k, hot, "HMMA")]
