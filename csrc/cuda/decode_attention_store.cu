@@ -46,7 +46,7 @@ constexpr int kThreads = 128;  // 4 warps, each its own tiles
 constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 32;
 constexpr float kPScale = 16384.f;  // p * 2^14 in the B fragments (p <= 1: at most 2^14, far below fp16's max)
-constexpr float kPScaleLog2 = 14.f;
+constexpr float kPScaleLog2 = 14.f;  // log2(kPScale)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int64_t kMinSplitTokens = 512;  // 2 steps per warp: the prologue and the merge stay small
 
@@ -275,23 +275,24 @@ struct StepMax {
   bool seen;           // a finite (or NaN) score so far: else m stays -inf, l 0, o 0
 };
 
-// Masks row nt's scores of one warp step, s[j] for the step token lane_tok + tok(j) (0 .. STEP - 1; tok(j) a
-// compile-time offset; attention token first + the step token), and takes the row's max over the quad's 8 lanes
+// Masks row nt's scores of one warp step (kMasks), s[j] for the step token lane_tok + tok(j) (tok(j) a compile-time
+// offset; attention token first + the step token, the step's offset in the split step_off), and takes the row's max over the quad's 8 lanes
 // (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and stay there, or with a
 // caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running scores (the KIVI
 // tiles; the InnerQ tiles write the same steps out, store_tiles_kernel).
-template <int NS, int STEP, bool kMasks, int NT, typename TokenOf>
+template <int NS, bool kMasks, int NT, typename TokenOf>
 __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows, int nt, int64_t first, int step_off,
                                             int lane_tok, const TokenOf& tok, float us, float kl) {
-  if (!kMasks) {  // every token of the step visible to every row (the kernels' visible-steps loops)
-  } else if (rows.mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
-    const float* mj = rows.mrow[nt] + (first + lane_tok);
+  if constexpr (kMasks) {  // (without: every token of the step is visible to every row, run_warp_steps)
+    if (rows.mrow[nt] != nullptr) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
+      const float* mj = rows.mrow[nt] + (first + lane_tok);
 #pragma unroll
-    for (int j = 0; j < NS; ++j) s[j] = rows.live[nt] ? fmaf(s[j], us, __ldg(mj + tok(j))) : -INFINITY;
-  } else {  // causal: step token k is visible to the row while k <= its limit (negative: none, a row past nr)
-    const int lim = rows.limit[nt] - step_off;
+      for (int j = 0; j < NS; ++j) s[j] = rows.live[nt] ? fmaf(s[j], us, __ldg(mj + tok(j))) : -INFINITY;
+    } else {  // causal: step token k is visible to the row while k <= its limit (negative: none, a row past nr)
+      const int lim = rows.limit[nt] - step_off;
 #pragma unroll
-    for (int j = 0; j < NS; ++j) s[j] = tok(j) + lane_tok <= lim ? s[j] : -INFINITY;
+      for (int j = 0; j < NS; ++j) s[j] = tok(j) + lane_tok <= lim ? s[j] : -INFINITY;
+    }
   }
   float tmax = -INFINITY;
 #pragma unroll
@@ -306,6 +307,32 @@ __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows,
   m.alpha = 1.f;
   if (m.seen) m.alpha = exp2f((rows.m_run[nt] - m.m_new) * kl);
   return m;
+}
+
+// A warp's steps f0 = lo + TOK warp + TOK kWarps i < hi of its split, through step(f0, masks): first, with no caller's
+// mask (and kVisibleLoop), those below every live row's causal limit with masks off (a prefix of the steps: the limits
+// only grow with the token; every step of a q_len-1 decode), then the rest with masks on. Two loops, so that the common
+// one holds no masking code (sass_budget's steady state; `masked steps` the other). The least limit among the CTA's
+// live rows: every warp holds all of them (in its 4 t lanes' slots).
+template <int NT, int TOK, bool kVisibleLoop, typename Rows, typename Step>
+__device__ __forceinline__ void run_warp_steps(const Rows& rows, bool masked, int64_t lo, int64_t hi, int warp,
+                                               const Step& step) {
+  int64_t f0 = lo + TOK * warp;
+  if constexpr (kVisibleLoop) {
+    int min_limit = kLimitCap;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      if (rows.live[nt]) min_limit = min(min_limit, rows.limit_of(nt));
+    min_limit = min(min_limit, __shfl_xor_sync(0xffffffffu, min_limit, 1));
+    min_limit = min(min_limit, __shfl_xor_sync(0xffffffffu, min_limit, 2));
+    if (!masked) {
+#pragma unroll 1
+      for (; f0 < hi && static_cast<int>(f0 - lo) + TOK - 1 <= min_limit; f0 += TOK * kWarps)
+        step(f0, std::false_type{});
+    }
+  }
+#pragma unroll 1
+  for (; f0 < hi; f0 += TOK * kWarps) step(f0, std::true_type{});
 }
 
 // q' = (x * q_scale) * key_x_scale of the CTA's query rows r0 .. r0 + nr - 1 into qs [QR][D] (rows past nr: 0), each
@@ -501,276 +528,259 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   // queries, stay in their own MMA columns, shuffles and accumulators, and nothing of theirs is written.
   const auto warp_step = [&](const int64_t f0, auto masks) {
     constexpr bool kMasks = decltype(masks)::value;
-      // L2 prefetch of the warp's next step (below: its key rows with this step's, its value blocks with this step's), so
-      // that a step's loads wait for L2 instead of two dependent DRAM round trips (keys, then values after the softmax).
-      // Nothing stays live across the step: the addresses are this step's own pointers plus a constant.
-      const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
-      // ---- scores of tokens f0 + 16 mt + g + 8 i ------------------------------------------------------------------
-      float sc[NT][KM16][2];
+    // L2 prefetch of the warp's next step (below: its key rows with this step's, its value blocks with this step's), so
+    // that a step's loads wait for L2 instead of two dependent DRAM round trips (keys, then values after the softmax).
+    // Nothing stays live across the step: the addresses are this step's own pointers plus a constant.
+    const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
+    // ---- scores of tokens f0 + 16 mt + g + 8 i ------------------------------------------------------------------
+    float sc[NT][KM16][2];
 #pragma unroll
-      for (int mt = 0; mt < KM16; ++mt) {
-        const uint32_t ra = static_cast<uint32_t>(f0) + 16u * mt + g;  // token rows ra and ra + 8 of the key store
-        uint32_t Xa[NB], Xha[NB], Xb[NB], Xhb[NB];
-        const uint32_t* const rowa = offset_rows(kc, ra, kcs);
-        key_row_words<KB, NB>(rowa, t, sel_lo, sel_hi, Xa, Xha);
-        key_row_words<KB, NB>(offset_rows(rowa, 8u, kcs), t, sel_lo, sel_hi, Xb, Xhb);
-        if (mt == 0) {
-          if (prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step: ra + that - g
-            const uint16_t* const sa = offset_rows(ksc, ra, kss);
-            [[maybe_unused]] const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
+    for (int mt = 0; mt < KM16; ++mt) {
+      const uint32_t ra = static_cast<uint32_t>(f0) + 16u * mt + g;  // token rows ra and ra + 8 of the key store
+      uint32_t Xa[NB], Xha[NB], Xb[NB], Xhb[NB];
+      const uint32_t* const rowa = offset_rows(kc, ra, kcs);
+      key_row_words<KB, NB>(rowa, t, sel_lo, sel_hi, Xa, Xha);
+      key_row_words<KB, NB>(offset_rows(rowa, 8u, kcs), t, sel_lo, sel_hi, Xb, Xhb);
+      if (mt == 0) {
+        if (prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step: ra + that - g
+          const uint16_t* const sa = offset_rows(ksc, ra, kss);
+          [[maybe_unused]] const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
+#pragma unroll
+          for (int k = 0; k < KT; ++k) {
+            const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
+            prefetch_l2(offset_rows(rowa, dr, kcs));
+            prefetch_l2(offset_rows(sa, dr, kss));
+            if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+          }
+        }
+        // The step's key affines, after the first tile's code loads are issued: the (mt, g) row pairs of the step over
+        // the lanes (KPAIRS of them; 2 lanes a pair, taking alternate groups, when there are 16), each pair's
+        // groups loaded, converted to fp32 and stored once, where every thread of an MMA quad loaded them itself
+        constexpr int KPAIRS = KM16 * 8, KLPG = 32 / KPAIRS;
+        __syncwarp();  // the previous step's P.V has read the values' table in the same bytes
+        const int pr = lane % KPAIRS, g0 = lane / KPAIRS;
+        const uint32_t r_a = static_cast<uint32_t>(f0) + 16u * (pr / 8) + (pr % 8);
+        const uint16_t* const s_a = offset_rows(ksc, r_a, kss) + g0;
+        const uint16_t* const s_b = offset_rows(s_a, 8u, kss);
+        const uint16_t* const z_a = kKZero ? offset_rows(kz, r_a, kzs) + g0 : nullptr;
+        const uint16_t* const z_b = kKZero ? offset_rows(z_a, 8u, kzs) : nullptr;
+#pragma unroll
+        for (int m = 0; m < (NB + KLPG - 1) / KLPG; ++m) {
+          if (g0 + KLPG * m < n_kg) {
+            const GroupAffine fa = group_affine<KM, KB>(__ldg(s_a + KLPG * m), kKZero ? __ldg(z_a + KLPG * m) : uint16_t{0});
+            const GroupAffine fb = group_affine<KM, KB>(__ldg(s_b + KLPG * m), kKZero ? __ldg(z_b + KLPG * m) : uint16_t{0});
+            ktab[((g0 + KLPG * m) * KM16 + pr / 8) * 8 + pr % 8] = affine_entry<kKZero>(fa, fb);
+          }
+        }
+        __syncwarp();  // publishes the table
+      }
+      float acc[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
+#pragma unroll
+      for (int cb = 0; cb < NB; ++cb) {
+        const KAff e = ktab[((cb >> L.k_group_shift) * KM16 + mt) * 8 + g];  // rows ra, ra + 8 at cb's group
+        uint32_t ha[4], hb[4];
+        decode_inner_q<KB, KOFF>(Xa[cb], Xha[cb], L.dec_k, ha);
+        decode_inner_q<KB, KOFF>(Xb[cb], Xhb[cb], L.dec_k, hb);
+        if constexpr (kKDup) {  // d: (token a, rows 2t, 2t + 1), (token b, the same)
+          float d[4];
+          block_mma4(d, ha, hb, qfl[cb * 32], qfl[(NB + cb) * 32]);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if constexpr (kKZero) {
+              acc[nt][0] = fmaf(e.x, d[nt], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
+              acc[nt][1] = fmaf(e.y, d[2 + nt], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
+            } else {
+              acc[nt][0] = fmaf(e.x, d[nt], acc[nt][0]);
+              acc[nt][1] = fmaf(e.y, d[2 + nt], acc[nt][1]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float d[4];
+            block_mma2(d, ha, hb, qfl[(nt * NB + cb) * 32]);
+            if constexpr (kKZero) {
+              acc[nt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
+              acc[nt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
+            } else {
+              acc[nt][0] = fmaf(e.x, d[0] + d[1], acc[nt][0]);
+              acc[nt][1] = fmaf(e.y, d[2] + d[3], acc[nt][1]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) sc[nt][mt][0] = acc[nt][0], sc[nt][mt][1] = acc[nt][1];
+    }
+
+    // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
+    float psum[NT][KT];  // sum of p * 2^14 over each 32-token block (the asym / hybrid values' zero term)
+    __syncwarp();  // the previous step's p is read
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      // step_max's masking and max, written out over sc[nt][mt][i] (step token g + 16 mt + 8 i): through step_max
+      // (a pointer into sc) ptxas allocated this loop differently, +0.1-0.5 instructions per byte on 12 of the 20
+      // instantiations (sass_budget, 2026-11-27)
+      float tmax = -INFINITY;
+      if constexpr (kMasks) {
+        if (masked) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
+          const float* mj = rows.mask_row(nt) + (S + f0 + g);
+#pragma unroll
+          for (int mt = 0; mt < KM16; ++mt)
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              sc[nt][mt][i] = rows.live[nt] ? fmaf(sc[nt][mt][i], us[nt], __ldg(mj + 16 * mt + 8 * i)) : -INFINITY;
+        } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
+          const int lim = rows.limit_of(nt) - static_cast<int>(f0 - lo);  // (negative: none, a row past nr)
+#pragma unroll
+          for (int mt = 0; mt < KM16; ++mt)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) sc[nt][mt][i] = 16 * mt + 8 * i + g <= lim ? sc[nt][mt][i] : -INFINITY;
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < KM16; ++mt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) tmax = nan_max(tmax, sc[nt][mt][i]);
+      tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+      tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
+      tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+      const float m_new = nan_max(rows.m_run[nt], tmax);
+      float alpha = 1.f;
+      const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
+      const float kl = masked ? kLog2e : us[nt] * kLog2e;  // (a register a row less than keeping it: spills at 168)
+      if (seen) alpha = exp2f((rows.m_run[nt] - m_new) * kl);
+      float sum = 0.f;  // of p * 2^14, as l_run
+#pragma unroll
+      for (int kb = 0; kb < KT; ++kb) {
+        float bsum = 0.f;
+#pragma unroll
+        for (int mt = 2 * kb; mt < 2 * kb + 2; ++mt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float pj = seen ? exp2f(fmaf(sc[nt][mt][i] - m_new, kl, kPScaleLog2)) : 0.f;  // p * 2^14
+            bsum += pj;
+            ps[score_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
+          }
+        if (kVZero || kb == KT - 1) {  // one butterfly for the row's sum; one per block where the values need it
+          const float v = kVZero ? bsum : sum + bsum;
+          float r = v + __shfl_xor_sync(0xffffffffu, v, 4);
+          r += __shfl_xor_sync(0xffffffffu, r, 8);
+          r += __shfl_xor_sync(0xffffffffu, r, 16);
+          if (kVZero) {
+            psum[nt][kb] = r;
+            sum += r;
+          } else {
+            sum = r;
+          }
+        } else {
+          sum += bsum;
+        }
+      }
+      rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
+      rows.m_run[nt] = m_new;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) o[nt][mt][0] *= alpha, o[nt][mt][1] *= alpha;
+    }
+    __syncwarp();
+    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (kKDup: row g, part
+    // nt) (pf_in_smem: into this lane's slots of pfs, read back by this lane only)
+    uint4 pf[NT][KT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int kb = 0; kb < KT; ++kb) {
+        const float* src = ps + (kKDup ? g : 4 * nt + (g >> 1)) * TOK + 32 * kb + 8 * t;
+        const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
+        const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        const float pt = kKDup ? static_cast<float>(nt) : part;
+        if constexpr (kPfSmem) pfs[(nt * KT + kb) * 32] = b_fragment(v, pt);
+        else pf[nt][kb] = b_fragment(v, pt);
+      }
+
+    // ---- P.V: the value store's blocks f0 / 32 + kb of channels 16 mt + g (+ 8) ---------------------------------
+    const uint32_t blk0 = static_cast<uint32_t>(f0 / kTile);
+    const uint32_t* const vct = vc_g + blk0 * VB;  // channel g's first block
+    uint32_t gv[KT];
+#pragma unroll
+    for (int kb = 0; kb < KT; ++kb) gv[kb] = block_group(blk0 + kb, L.v_bpg_magic);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      // channels 16 mt + g and 16 mt + g + 8
+      const uint32_t* const ca = offset_rows(vct, 16u * mt, vcs);
+      const uint32_t* const cb8 = offset_rows(vct, 16u * mt + 8u, vcs);
+      if (mt == 0 && prefetch_next) {  // the next step's first block of channels lane + 32 i = g + (lane - g + 32 i)
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i)
+          prefetch_l2(offset_rows(ca, static_cast<uint32_t>(lane - g) + 32u * i, vcs) + TOK * kWarps / kTile * VB);
+      }
+#pragma unroll
+      for (int kb = 0; kb < KT; ++kb) {
+        uint32_t Xa, Xha, Xb, Xhb;
+        load_gather_block<VB, true>(ca + kb * VB, t, sel_lo, sel_hi, Xa, Xha);
+        load_gather_block<VB, true>(cb8 + kb * VB, t, sel_lo, sel_hi, Xb, Xhb);
+        if (mt == 0 && kb == 0) {
+          // The step's value affines, after the first tile's code loads are issued, as the keys' above: the store's
+          // (mt, g) channel pairs over the lanes (VPL each), every block's group
+          constexpr int VPL = MT * 8 / 32;
+#pragma unroll
+          for (int q = 0; q < VPL; ++q) {
+            const int pr = lane + 32 * q;
+            const uint32_t ch = 16u * (pr / 8) + (pr % 8);
+            const uint16_t* const s_a = offset_rows(vs0, ch, vss);
+            const uint16_t* const s_b = offset_rows(s_a, 8u, vss);
+            const uint16_t* const z_a = kVZero ? offset_rows(vz0, ch, vzs) : nullptr;
+            const uint16_t* const z_b = kVZero ? offset_rows(z_a, 8u, vzs) : nullptr;
 #pragma unroll
             for (int k = 0; k < KT; ++k) {
-              const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
-              prefetch_l2(offset_rows(rowa, dr, kcs));
-              prefetch_l2(offset_rows(sa, dr, kss));
-              if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+              const GroupAffine fa = group_affine<VM, VB>(__ldg(s_a + gv[k]), kVZero ? __ldg(z_a + gv[k]) : uint16_t{0});
+              const GroupAffine fb = group_affine<VM, VB>(__ldg(s_b + gv[k]), kVZero ? __ldg(z_b + gv[k]) : uint16_t{0});
+              vtab[(k * MT + pr / 8) * 8 + pr % 8] = affine_entry<kVZero>(fa, fb);
             }
           }
-          // The step's key affines, after the first tile's code loads are issued: the (mt, g) row pairs of the step over
-          // the lanes (KPAIRS of them; 2 lanes a pair, taking alternate groups, when there are 16), each pair's
-          // groups loaded, converted to fp32 and stored once, where every thread of an MMA quad loaded them itself
-          constexpr int KPAIRS = KM16 * 8, KLPG = 32 / KPAIRS;
-          __syncwarp();  // the previous step's P.V has read the values' table in the same bytes
-          const int pr = lane % KPAIRS, g0 = lane / KPAIRS;
-          const uint32_t r_a = static_cast<uint32_t>(f0) + 16u * (pr / 8) + (pr % 8);
-          const uint16_t* const s_a = offset_rows(ksc, r_a, kss) + g0;
-          const uint16_t* const s_b = offset_rows(s_a, 8u, kss);
-          const uint16_t* const z_a = kKZero ? offset_rows(kz, r_a, kzs) + g0 : nullptr;
-          const uint16_t* const z_b = kKZero ? offset_rows(z_a, 8u, kzs) : nullptr;
-#pragma unroll
-          for (int m = 0; m < (NB + KLPG - 1) / KLPG; ++m) {
-            if (g0 + KLPG * m < n_kg) {
-              const GroupAffine fa = group_affine<KM, KB>(__ldg(s_a + KLPG * m), kKZero ? __ldg(z_a + KLPG * m) : uint16_t{0});
-              const GroupAffine fb = group_affine<KM, KB>(__ldg(s_b + KLPG * m), kKZero ? __ldg(z_b + KLPG * m) : uint16_t{0});
-              ktab[((g0 + KLPG * m) * KM16 + pr / 8) * 8 + pr % 8] = affine_entry<kKZero>(fa, fb);
-            }
-          }
-          __syncwarp();  // publishes the table
+          // publishes the table (this step's reads of the keys' table in the same bytes came before its softmax's
+          // __syncwarp)
+          __syncwarp();
         }
-        float acc[NT][2];
+        const VAff e = vtab[(kb * MT + mt) * 8 + g];  // channels 16 mt + g, + 8 at block kb's group
+        uint32_t ha[4], hb[4];
+        decode_inner_q<VB, VOFF>(Xa, Xha, L.dec_v, ha);
+        decode_inner_q<VB, VOFF>(Xb, Xhb, L.dec_v, hb);
+        if constexpr (kKDup) {  // d: (channel 16 mt + g, rows 2t, 2t + 1), (channel + 8, the same)
+          float d[4];
+          block_mma4(d, ha, hb, kPfSmem ? pfs[kb * 32] : pf[0][kb], kPfSmem ? pfs[(KT + kb) * 32] : pf[NT - 1][kb]);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
-#pragma unroll
-        for (int cb = 0; cb < NB; ++cb) {
-          const KAff e = ktab[((cb >> L.k_group_shift) * KM16 + mt) * 8 + g];  // rows ra, ra + 8 at cb's group
-          uint32_t ha[4], hb[4];
-          decode_inner_q<KB, KOFF>(Xa[cb], Xha[cb], L.dec_k, ha);
-          decode_inner_q<KB, KOFF>(Xb[cb], Xhb[cb], L.dec_k, hb);
-          if constexpr (kKDup) {  // d: (token a, rows 2t, 2t + 1), (token b, the same)
-            float d[4];
-            block_mma4(d, ha, hb, qfl[cb * 32], qfl[(NB + cb) * 32]);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              if constexpr (kKZero) {
-                acc[nt][0] = fmaf(e.x, d[nt], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
-                acc[nt][1] = fmaf(e.y, d[2 + nt], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
-              } else {
-                acc[nt][0] = fmaf(e.x, d[nt], acc[nt][0]);
-                acc[nt][1] = fmaf(e.y, d[2 + nt], acc[nt][1]);
-              }
-            }
-          } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              float d[4];
-              block_mma2(d, ha, hb, qfl[(nt * NB + cb) * 32]);
-              if constexpr (kKZero) {
-                acc[nt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, xsr[nt][cb], acc[nt][0]));
-                acc[nt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, xsr[nt][cb], acc[nt][1]));
-              } else {
-                acc[nt][0] = fmaf(e.x, d[0] + d[1], acc[nt][0]);
-                acc[nt][1] = fmaf(e.y, d[2] + d[3], acc[nt][1]);
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) sc[nt][mt][0] = acc[nt][0], sc[nt][mt][1] = acc[nt][1];
-      }
-
-      // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
-      float psum[NT][KT];  // sum of p * 2^14 over each 32-token block (the asym / hybrid values' zero term)
-      __syncwarp();  // the previous step's p is read
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        // step_max's masking and max, written out over sc[nt][mt][i] (step token g + 16 mt + 8 i): through step_max
-        // (a pointer into sc) ptxas allocated this loop differently, +0.1-0.5 instructions per byte on 12 of the 20
-        // instantiations (sass_budget, 2026-11-27)
-        float tmax = -INFINITY;
-        if constexpr (kMasks) {
-          if (masked) {  // caller's mask (CTA-uniform branch); rows past nr stay -inf
-            const float* mj = rows.mask_row(nt) + (S + f0 + g);
-#pragma unroll
-            for (int mt = 0; mt < KM16; ++mt)
-#pragma unroll
-              for (int i = 0; i < 2; ++i)
-                sc[nt][mt][i] = rows.live[nt] ? fmaf(sc[nt][mt][i], us[nt], __ldg(mj + 16 * mt + 8 * i)) : -INFINITY;
-          } else {  // causal: step token k is visible to the row while k <= its limit (-1: a row past nr)
-            const int lim = rows.limit_of(nt) - static_cast<int>(f0 - lo);  // (negative: none, a row past nr)
-#pragma unroll
-            for (int mt = 0; mt < KM16; ++mt)
-#pragma unroll
-              for (int i = 0; i < 2; ++i) sc[nt][mt][i] = 16 * mt + 8 * i + g <= lim ? sc[nt][mt][i] : -INFINITY;
-          }
-        }
-#pragma unroll
-        for (int mt = 0; mt < KM16; ++mt)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) tmax = nan_max(tmax, sc[nt][mt][i]);
-        tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
-        tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 8));
-        tmax = nan_max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
-        const float m_new = nan_max(rows.m_run[nt], tmax);
-        float alpha = 1.f;
-        const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
-        const float kl = masked ? kLog2e : us[nt] * kLog2e;  // (a register a row less than keeping it: spills at 168)
-        if (seen) alpha = exp2f((rows.m_run[nt] - m_new) * kl);
-        float sum = 0.f;  // of p * 2^14, as l_run
-#pragma unroll
-        for (int kb = 0; kb < KT; ++kb) {
-          float bsum = 0.f;
-#pragma unroll
-          for (int mt = 2 * kb; mt < 2 * kb + 2; ++mt)
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              const float pj = seen ? exp2f(fmaf(sc[nt][mt][i] - m_new, kl, kPScaleLog2)) : 0.f;  // p * 2^14
-              bsum += pj;
-              ps[score_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
-            }
-          if (kVZero || kb == KT - 1) {  // one butterfly for the row's sum; one per block where the values need it
-            const float v = kVZero ? bsum : sum + bsum;
-            float r = v + __shfl_xor_sync(0xffffffffu, v, 4);
-            r += __shfl_xor_sync(0xffffffffu, r, 8);
-            r += __shfl_xor_sync(0xffffffffu, r, 16);
-            if (kVZero) {
-              psum[nt][kb] = r;
-              sum += r;
+          for (int nt = 0; nt < NT; ++nt) {
+            if constexpr (kVZero) {
+              o[nt][mt][0] = fmaf(e.x, d[nt], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
+              o[nt][mt][1] = fmaf(e.y, d[2 + nt], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
             } else {
-              sum = r;
+              o[nt][mt][0] = fmaf(e.x, d[nt], o[nt][mt][0]);
+              o[nt][mt][1] = fmaf(e.y, d[2 + nt], o[nt][mt][1]);
             }
-          } else {
-            sum += bsum;
           }
-        }
-        rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
-        rows.m_run[nt] = m_new;
+        } else {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) o[nt][mt][0] *= alpha, o[nt][mt][1] *= alpha;
-      }
-      __syncwarp();
-      // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (kKDup: row g, part
-      // nt) (pf_in_smem: into this lane's slots of pfs, read back by this lane only)
-      uint4 pf[NT][KT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int kb = 0; kb < KT; ++kb) {
-          const float* src = ps + (kKDup ? g : 4 * nt + (g >> 1)) * TOK + 32 * kb + 8 * t;
-          const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
-          const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-          const float pt = kKDup ? static_cast<float>(nt) : part;
-          if constexpr (kPfSmem) pfs[(nt * KT + kb) * 32] = b_fragment(v, pt);
-          else pf[nt][kb] = b_fragment(v, pt);
-        }
-
-      // ---- P.V: the value store's blocks f0 / 32 + kb of channels 16 mt + g (+ 8) ---------------------------------
-      const uint32_t blk0 = static_cast<uint32_t>(f0 / kTile);
-      const uint32_t* const vct = vc_g + blk0 * VB;  // channel g's first block
-      uint32_t gv[KT];
-#pragma unroll
-      for (int kb = 0; kb < KT; ++kb) gv[kb] = block_group(blk0 + kb, L.v_bpg_magic);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        // channels 16 mt + g and 16 mt + g + 8
-        const uint32_t* const ca = offset_rows(vct, 16u * mt, vcs);
-        const uint32_t* const cb8 = offset_rows(vct, 16u * mt + 8u, vcs);
-        if (mt == 0 && prefetch_next) {  // the next step's first block of channels lane + 32 i = g + (lane - g + 32 i)
-#pragma unroll
-          for (int i = 0; i < D / 32; ++i)
-            prefetch_l2(offset_rows(ca, static_cast<uint32_t>(lane - g) + 32u * i, vcs) + TOK * kWarps / kTile * VB);
-        }
-#pragma unroll
-        for (int kb = 0; kb < KT; ++kb) {
-          uint32_t Xa, Xha, Xb, Xhb;
-          load_gather_block<VB, true>(ca + kb * VB, t, sel_lo, sel_hi, Xa, Xha);
-          load_gather_block<VB, true>(cb8 + kb * VB, t, sel_lo, sel_hi, Xb, Xhb);
-          if (mt == 0 && kb == 0) {
-            // The step's value affines, after the first tile's code loads are issued, as the keys' above: the store's
-            // (mt, g) channel pairs over the lanes (VPL each), every block's group
-            constexpr int VPL = MT * 8 / 32;
-#pragma unroll
-            for (int q = 0; q < VPL; ++q) {
-              const int pr = lane + 32 * q;
-              const uint32_t ch = 16u * (pr / 8) + (pr % 8);
-              const uint16_t* const s_a = offset_rows(vs0, ch, vss);
-              const uint16_t* const s_b = offset_rows(s_a, 8u, vss);
-              const uint16_t* const z_a = kVZero ? offset_rows(vz0, ch, vzs) : nullptr;
-              const uint16_t* const z_b = kVZero ? offset_rows(z_a, 8u, vzs) : nullptr;
-#pragma unroll
-              for (int k = 0; k < KT; ++k) {
-                const GroupAffine fa = group_affine<VM, VB>(__ldg(s_a + gv[k]), kVZero ? __ldg(z_a + gv[k]) : uint16_t{0});
-                const GroupAffine fb = group_affine<VM, VB>(__ldg(s_b + gv[k]), kVZero ? __ldg(z_b + gv[k]) : uint16_t{0});
-                vtab[(k * MT + pr / 8) * 8 + pr % 8] = affine_entry<kVZero>(fa, fb);
-              }
-            }
-            // publishes the table (this step's reads of the keys' table in the same bytes came before its softmax's
-            // __syncwarp)
-            __syncwarp();
-          }
-          const VAff e = vtab[(kb * MT + mt) * 8 + g];  // channels 16 mt + g, + 8 at block kb's group
-          uint32_t ha[4], hb[4];
-          decode_inner_q<VB, VOFF>(Xa, Xha, L.dec_v, ha);
-          decode_inner_q<VB, VOFF>(Xb, Xhb, L.dec_v, hb);
-          if constexpr (kKDup) {  // d: (channel 16 mt + g, rows 2t, 2t + 1), (channel + 8, the same)
+          for (int nt = 0; nt < NT; ++nt) {
             float d[4];
-            block_mma4(d, ha, hb, kPfSmem ? pfs[kb * 32] : pf[0][kb], kPfSmem ? pfs[(KT + kb) * 32] : pf[NT - 1][kb]);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              if constexpr (kVZero) {
-                o[nt][mt][0] = fmaf(e.x, d[nt], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
-                o[nt][mt][1] = fmaf(e.y, d[2 + nt], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
-              } else {
-                o[nt][mt][0] = fmaf(e.x, d[nt], o[nt][mt][0]);
-                o[nt][mt][1] = fmaf(e.y, d[2 + nt], o[nt][mt][1]);
-              }
-            }
-          } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              float d[4];
-              block_mma2(d, ha, hb, kPfSmem ? pfs[(nt * KT + kb) * 32] : pf[nt][kb]);
-              if constexpr (kVZero) {
-                o[nt][mt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
-                o[nt][mt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
-              } else {
-                o[nt][mt][0] = fmaf(e.x, d[0] + d[1], o[nt][mt][0]);
-                o[nt][mt][1] = fmaf(e.y, d[2] + d[3], o[nt][mt][1]);
-              }
+            block_mma2(d, ha, hb, kPfSmem ? pfs[(nt * KT + kb) * 32] : pf[nt][kb]);
+            if constexpr (kVZero) {
+              o[nt][mt][0] = fmaf(e.x, d[0] + d[1], fmaf(e.z, psum[nt][kb], o[nt][mt][0]));
+              o[nt][mt][1] = fmaf(e.y, d[2] + d[3], fmaf(e.w, psum[nt][kb], o[nt][mt][1]));
+            } else {
+              o[nt][mt][0] = fmaf(e.x, d[0] + d[1], o[nt][mt][0]);
+              o[nt][mt][1] = fmaf(e.y, d[2] + d[3], o[nt][mt][1]);
             }
           }
         }
       }
+    }
   };
-  // The visible steps first (a prefix of the warp's steps: the limits only grow with the token), then the rest with
-  // masks: two loops, so that the common one holds no masking code (sass_budget's steady state; `masked steps` the
-  // other). The least limit among the CTA's live rows: every warp holds all of them (its 4 t lanes' slots). Not at 4
-  // rows and head_dim 128, whose 3 CTAs an SM (168 registers) spilled between the two loops (innerq_small, sm_90):
-  // one loop with the masks there, 3-4 % more instructions a step, within the budget.
-  constexpr bool kVisibleLoop = !(D == 128 && NT == 1);
-  int min_limit = kLimitCap;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    if (rows.live[nt]) min_limit = min(min_limit, rows.limit_of(nt));
-  min_limit = min(min_limit, __shfl_xor_sync(0xffffffffu, min_limit, 1));
-  min_limit = min(min_limit, __shfl_xor_sync(0xffffffffu, min_limit, 2));
-  int64_t f0 = lo + TOK * warp;
-  if (kVisibleLoop && !masked) {
-#pragma unroll 1
-    for (; f0 < hi && static_cast<int>(f0 - lo) + TOK - 1 <= min_limit; f0 += TOK * kWarps)
-      warp_step(f0, std::false_type{});
-  }
-#pragma unroll 1
-  for (; f0 < hi; f0 += TOK * kWarps) warp_step(f0, std::true_type{});
+  // Not at 4 rows and head_dim 128, whose 3 CTAs an SM (168 registers) spilled between the two loops (innerq_small,
+  // sm_90): one loop with the masks there, 3-4 % more instructions a step, within the budget.
+  run_warp_steps<NT, TOK, !(D == 128 && NT == 1)>(rows, masked, lo, hi, warp, warp_step);
 
   // ---- merge the warps' partials (log-sum-exp, warp order) and write the split's slot of the workspace -----------
   __syncwarp();  // the loop's last reads of the affine table, in the slice of om written here
@@ -918,154 +928,141 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) o[i][nt][0] = o[i][nt][1] = o[i][nt][2] = o[i][nt][3] = 0.f;
 
-  // One warp step from f0, with or without the masks, in two loops as the InnerQ tiles' (see there)
+  // One warp step from f0, with or without the masks (run_warp_steps)
   const auto warp_step = [&](const int64_t f0, auto masks) {
     constexpr bool kMasks = decltype(masks)::value;
-      // L2 prefetch of the warp's next step, as in the InnerQ tiles: its key codes in every channel with this step's
-      // first key loads, its value rows (codes, scales, zeros) with this step's first value loads (a key channel's group
-      // scales and zeros span 64 groups a line: earlier steps have them in cache)
-      const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
-      // ---- scores of tokens f0 + 8g + j, j = 0 .. 7 -------------------------------------------------------------------
-      const uint32_t kw = static_cast<uint32_t>(f0 / 32) * KB;  // the step's first word
-      // the step's word offset goes into the row base once, so each load below is one IMAD.WIDE with a literal row
-      // (base + (16 ks + j) * stride + kw would cost a 64-bit add per load after it)
-      const uint32_t* const kc_s = kc_t + kw;
-      float d[KCPL / 2][NT][4];
+    // L2 prefetch of the warp's next step, as in the InnerQ tiles: its key codes in every channel with this step's
+    // first key loads, its value rows (codes, scales, zeros) with this step's first value loads (a key channel's group
+    // scales and zeros span 64 groups a line: earlier steps have them in cache)
+    const bool prefetch_next = L.prefetch && f0 + TOK * kWarps < hi;
+    // ---- scores of tokens f0 + 8g + j, j = 0 .. 7 -------------------------------------------------------------------
+    const uint32_t kw = static_cast<uint32_t>(f0 / 32) * KB;  // the step's first word
+    // the step's word offset goes into the row base once, so each load below is one IMAD.WIDE with a literal row
+    // (base + (16 ks + j) * stride + kw would cost a 64-bit add per load after it)
+    const uint32_t* const kc_s = kc_t + kw;
+    float d[KCPL / 2][NT][4];
 #pragma unroll
-      for (int i = 0; i < KCPL / 2; ++i)
+    for (int i = 0; i < KCPL / 2; ++i)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) d[i][nt][0] = d[i][nt][1] = d[i][nt][2] = d[i][nt][3] = 0.f;
+      for (int nt = 0; nt < NT; ++nt) d[i][nt][0] = d[i][nt][1] = d[i][nt][2] = d[i][nt][3] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        LaneCodes<KB, KCPL> lc[4];
-        if (ks == 0 && prefetch_next) {  // channel 4t + (g & 3) + 16 (g >> 2) + 32 i: every channel once, offset >= 0
+    for (int ks = 0; ks < KS; ++ks) {
+      LaneCodes<KB, KCPL> lc[4];
+      if (ks == 0 && prefetch_next) {  // channel 4t + (g & 3) + 16 (g >> 2) + 32 i: every channel once, offset >= 0
 #pragma unroll
-          for (int i = 0; i < D / 32; ++i)
-            prefetch_l2(offset_rows(kc_s + TOK * kWarps / 32 * KB, (g & 3) + 16u * (g >> 2) + 32u * i, kcs));
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_s, 16u * ks + j, kcs), nullptr);
-        if (ks == 0) {  // after the first k-step's code loads are issued: the keys' table (see Addressing)
-#pragma unroll
-          for (int m = 0; m < KITEMS; ++m) {
-            const int half = (lane + 32 * m) / (D / 4);
-            const uint32_t grp = block_group(static_cast<uint32_t>(f0 / 32) + half, L.v_bpg_magic);
-            const uint16_t* const sq = ks_q + grp;
-            const uint16_t* const zq = kz_q + grp;
-            uint16_t sk[4], zk[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) sk[j] = __ldg(offset_rows(sq, j, kss)), zk[j] = __ldg(offset_rows(zq, j, kzs));
-            kaff[half * (D / 4) + kq] = make_uint4(pack_half2(sk[0], sk[1]), pack_half2(sk[2], sk[3]),
-                                                   pack_half2(zk[0], zk[1]), pack_half2(zk[2], zk[3]));
-          }
-          // the table's writes before any lane reads it (the previous step's reads came before its softmax's
-          // __syncwarp, so these writes do not race them)
-          __syncwarp();
-        }
-        const uint4 kf = kaff[(g >> 2) * (D / 4) + 4 * ks + t];  // (s01, s23, z01, z23) of rows 16 ks + 4t + j
-        kstep_compute_paired<KB, NT, KCPL>(lc, kf.x, kf.y, kf.z, kf.w, qf + ks * 32 + lane, KS * 32, ksel, L.kivi_k, d);
+        for (int i = 0; i < D / 32; ++i)
+          prefetch_l2(offset_rows(kc_s + TOK * kWarps / 32 * KB, (g & 3) + 16u * (g >> 2) + 32u * i, kcs));
       }
-      float sc[NT][KCPL];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int j = 0; j < 4; ++j) load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_s, 16u * ks + j, kcs), nullptr);
+      if (ks == 0) {  // after the first k-step's code loads are issued: the keys' table (see Addressing)
 #pragma unroll
-        for (int i = 0; i < KCPL / 2; ++i) {
-          sc[nt][2 * i] = d[i][nt][0] + d[i][nt][1];
-          sc[nt][2 * i + 1] = d[i][nt][2] + d[i][nt][3];
+        for (int m = 0; m < KITEMS; ++m) {
+          const int half = (lane + 32 * m) / (D / 4);
+          const uint32_t grp = block_group(static_cast<uint32_t>(f0 / 32) + half, L.v_bpg_magic);
+          const uint16_t* const sq = ks_q + grp;
+          const uint16_t* const zq = kz_q + grp;
+          uint16_t sk[4], zk[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sk[j] = __ldg(offset_rows(sq, j, kss)), zk[j] = __ldg(offset_rows(zq, j, kzs));
+          kaff[half * (D / 4) + kq] = make_uint4(pack_half2(sk[0], sk[1]), pack_half2(sk[2], sk[3]),
+                                                 pack_half2(zk[0], zk[1]), pack_half2(zk[2], zk[3]));
         }
+        // the table's writes before any lane reads it (the previous step's reads came before its softmax's
+        // __syncwarp, so these writes do not race them)
+        __syncwarp();
+      }
+      const uint4 kf = kaff[(g >> 2) * (D / 4) + 4 * ks + t];  // (s01, s23, z01, z23) of rows 16 ks + 4t + j
+      kstep_compute_paired<KB, NT, KCPL>(lc, kf.x, kf.y, kf.z, kf.w, qf + ks * 32 + lane, KS * 32, ksel, L.kivi_k, d);
+    }
+    float sc[NT][KCPL];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < KCPL / 2; ++i) {
+        sc[nt][2 * i] = d[i][nt][0] + d[i][nt][1];
+        sc[nt][2 * i + 1] = d[i][nt][2] + d[i][nt][3];
+      }
 
-      // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
-      __syncwarp();  // the previous step's p is read
+    // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
+    __syncwarp();  // the previous step's p is read
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      // the lane's offset inside tok (not lane_tok): 1 point less at 1 bit, head_dim 64, 8 rows (ptxas)
+      const float kl = masked ? kLog2e : us[nt] * kLog2e;  // the store tiles' softmax (see there)
+      const auto tok_of = [&](int j) { return KCPL * g + j; };
+      const StepMax sm =
+          step_max<KCPL, kMasks>(sc[nt], rows, nt, S + f0, static_cast<int>(f0 - lo), 0, tok_of, us[nt], kl);
+      const float m_new = sm.m_new, alpha = sm.alpha;
+      const bool seen = sm.seen;
+      float pj[KCPL], sum = 0.f;  // p * 2^14
+#pragma unroll
+      for (int j = 0; j < KCPL; ++j) {
+        pj[j] = seen ? exp2f(fmaf(sc[nt][j] - m_new, kl, kPScaleLog2)) : 0.f;
+        sum += pj[j];
+      }
+      float* dst = ps + (4 * nt + t) * TOK + KCPL * g;
+      *reinterpret_cast<float4*>(dst) = make_float4(pj[0], pj[1], pj[2], pj[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(pj[4], pj[5], pj[6], pj[7]);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
+      rows.m_run[nt] = m_new;
+#pragma unroll
+      for (int i = 0; i < VCPL / 2; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o[i][nt][k] *= alpha;
+    }
+    __syncwarp();
+    // B fragments of p: lane (g, t) of k-step vs takes row 4 nt + g / 2, tokens 16 vs + 4t .. + 3, part g & 1
+    uint2 pf[VS][NT];
+#pragma unroll
+    for (int vs = 0; vs < VS; ++vs)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        // the lane's offset inside tok (not lane_tok): 1 point less at 1 bit, head_dim 64, 8 rows (ptxas)
-        const float kl = masked ? kLog2e : us[nt] * kLog2e;  // the store tiles' softmax (see there)
-        const auto tok_of = [&](int j) { return KCPL * g + j; };
-        const StepMax sm =
-            step_max<KCPL, TOK, kMasks>(sc[nt], rows, nt, S + f0, static_cast<int>(f0 - lo), 0, tok_of, us[nt], kl);
-        const float m_new = sm.m_new, alpha = sm.alpha;
-        const bool seen = sm.seen;
-        float pj[KCPL], sum = 0.f;  // p * 2^14
-#pragma unroll
-        for (int j = 0; j < KCPL; ++j) {
-          pj[j] = seen ? exp2f(fmaf(sc[nt][j] - m_new, kl, kPScaleLog2)) : 0.f;
-          sum += pj[j];
-        }
-        float* dst = ps + (4 * nt + t) * TOK + KCPL * g;
-        *reinterpret_cast<float4*>(dst) = make_float4(pj[0], pj[1], pj[2], pj[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(pj[4], pj[5], pj[6], pj[7]);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 16);
-        rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
-        rows.m_run[nt] = m_new;
-#pragma unroll
-        for (int i = 0; i < VCPL / 2; ++i)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) o[i][nt][k] *= alpha;
+        const float4 a = *reinterpret_cast<const float4*>(ps + (4 * nt + (g >> 1)) * TOK + 16 * vs + 4 * t);
+        pf[vs][nt] = make_uint2(split_pair(a.x, a.y, part), split_pair(a.z, a.w, part));
       }
-      __syncwarp();
-      // B fragments of p: lane (g, t) of k-step vs takes row 4 nt + g / 2, tokens 16 vs + 4t .. + 3, part g & 1
-      uint2 pf[VS][NT];
-#pragma unroll
-      for (int vs = 0; vs < VS; ++vs)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float4 a = *reinterpret_cast<const float4*>(ps + (4 * nt + (g >> 1)) * TOK + 16 * vs + 4 * t);
-          pf[vs][nt] = make_uint2(split_pair(a.x, a.y, part), split_pair(a.z, a.w, part));
-        }
 
-      // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
-      const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;
-      const uint32_t* const vc_s = offset_rows(vc_b, row0, vcs);  // the step's rows, as the keys' columns above
-      const uint16_t* const vs_r = offset_rows(vs_b, static_cast<uint32_t>(f0) + 2u * lane, vss);  // the lane's 2 rows
-      const uint16_t* const vz_r = offset_rows(vz_b, static_cast<uint32_t>(f0) + 2u * lane, vzs);
+    // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
+    const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;
+    const uint32_t* const vc_s = offset_rows(vc_b, row0, vcs);  // the step's rows, as the keys' columns above
+    const uint16_t* const vs_r = offset_rows(vs_b, static_cast<uint32_t>(f0) + 2u * lane, vss);  // the lane's 2 rows
+    const uint16_t* const vz_r = offset_rows(vz_b, static_cast<uint32_t>(f0) + 2u * lane, vzs);
 #pragma unroll
-      for (int vs = 0; vs < VS; ++vs) {
-        LaneCodes<VB, VCPL> lc[4];
-        if (vs == 0 && prefetch_next) {  // rows f0 + TOK kWarps + 8t + g + 32 j: each once, offset >= 0 from row0
+    for (int vs = 0; vs < VS; ++vs) {
+      LaneCodes<VB, VCPL> lc[4];
+      if (vs == 0 && prefetch_next) {  // rows f0 + TOK kWarps + 8t + g + 32 j: each once, offset >= 0 from row0
 #pragma unroll
-          for (int j = 0; j < TOK / 32; ++j) {
-            const uint32_t dr = TOK * kWarps + 32u * j + 4u * t + g;
-            prefetch_l2(offset_rows(vc_s, dr, vcs));
-            prefetch_l2(offset_rows(vs_r, TOK * kWarps + j, vss));  // rows f0 + TOK kWarps + 2 lane + j
-            prefetch_l2(offset_rows(vz_r, TOK * kWarps + j, vzs));
-          }
+        for (int j = 0; j < TOK / 32; ++j) {
+          const uint32_t dr = TOK * kWarps + 32u * j + 4u * t + g;
+          prefetch_l2(offset_rows(vc_s, dr, vcs));
+          prefetch_l2(offset_rows(vs_r, TOK * kWarps + j, vss));  // rows f0 + TOK kWarps + 2 lane + j
+          prefetch_l2(offset_rows(vz_r, TOK * kWarps + j, vzs));
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) load_lane<VB, VCPL, false>(lc[j], offset_rows(vc_s, 16u * vs + j, vcs), nullptr);
-        if (vs == 0) {  // the values' table, after the first k-step's code loads (the previous step's reads of it came
-                        // before this step's softmax __syncwarp)
-          const uint16_t* const vs_r1 = offset_rows(vs_r, 1u, vss);
-          const uint16_t* const vz_r1 = offset_rows(vz_r, 1u, vzs);
-#pragma unroll
-          for (int vg = 0; vg < D / 32; ++vg) {
-            if (vg < n_vg) {  // token quad lane / 2, its row pair lane & 1: (s, z) in .x, .y or .z, .w
-              const uint32_t sp = pack_half2(__ldg(vs_r + vg), __ldg(vs_r1 + vg));
-              const uint32_t zp = pack_half2(__ldg(vz_r + vg), __ldg(vz_r1 + vg));
-              reinterpret_cast<uint2*>(vaff + vg * (TOK / 4) + lane / 2)[lane & 1] = make_uint2(sp, zp);
-            }
-          }
-          __syncwarp();
-        }
-        const uint4 vf = vaff[vgi * (TOK / 4) + 4 * vs + t];  // (s01, z01, s23, z23) of rows 16 vs + 4t + j
-        kstep_compute_paired<VB, NT, VCPL>(lc, vf.x, vf.z, vf.y, vf.w, &pf[vs][0], 1, vsel, L.kivi_v, o);
       }
-  };
-  int min_limit = kLimitCap;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    if (rows.live[nt]) min_limit = min(min_limit, rows.limit[nt]);
-  min_limit = min(min_limit, __shfl_xor_sync(0xffffffffu, min_limit, 1));
-  min_limit = min(min_limit, __shfl_xor_sync(0xffffffffu, min_limit, 2));
-  int64_t f0 = lo + TOK * warp;
-  if (!masked) {
-#pragma unroll 1
-    for (; f0 < hi && static_cast<int>(f0 - lo) + TOK - 1 <= min_limit; f0 += TOK * kWarps)
-      warp_step(f0, std::false_type{});
-  }
-#pragma unroll 1
-  for (; f0 < hi; f0 += TOK * kWarps) warp_step(f0, std::true_type{});
+      for (int j = 0; j < 4; ++j) load_lane<VB, VCPL, false>(lc[j], offset_rows(vc_s, 16u * vs + j, vcs), nullptr);
+      if (vs == 0) {  // the values' table, after the first k-step's code loads (the previous step's reads of it came
+                      // before this step's softmax __syncwarp)
+        const uint16_t* const vs_r1 = offset_rows(vs_r, 1u, vss);
+        const uint16_t* const vz_r1 = offset_rows(vz_r, 1u, vzs);
+#pragma unroll
+        for (int vg = 0; vg < D / 32; ++vg) {
+          if (vg < n_vg) {  // token quad lane / 2, its row pair lane & 1: (s, z) in .x, .y or .z, .w
+            const uint32_t sp = pack_half2(__ldg(vs_r + vg), __ldg(vs_r1 + vg));
+            const uint32_t zp = pack_half2(__ldg(vz_r + vg), __ldg(vz_r1 + vg));
+            reinterpret_cast<uint2*>(vaff + vg * (TOK / 4) + lane / 2)[lane & 1] = make_uint2(sp, zp);
+          }
+        }
+        __syncwarp();
+      }
+      const uint4 vf = vaff[vgi * (TOK / 4) + 4 * vs + t];  // (s01, z01, s23, z23) of rows 16 vs + 4t + j
+      kstep_compute_paired<VB, NT, VCPL>(lc, vf.x, vf.z, vf.y, vf.w, &pf[vs][0], 1, vsel, L.kivi_v, o);
+    }
+  };
+  run_warp_steps<NT, TOK, true>(rows, masked, lo, hi, warp, warp_step);
 
   // ---- merge the warps' partials and write the split's slot of the workspace --------------------------------------
 #pragma unroll
