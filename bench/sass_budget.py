@@ -632,12 +632,17 @@ KNOWN_OVER: dict[tuple, float] = {
     # at head_dim 128: 10.1 / 12.6 -> 8.1 / 9.9 at 4 / 8 rows, now within the budget; kivi1 15.1 / 18.8 -> 12.0 / 14.6).
     # kivi4 at head_dim 128 and 64, 4 and 8 rows, is within the budget, and kivi2 at head_dim 64 and 4 rows since the
     # softmax's fold (above). The visible-steps loop (above) took kivi2 at head_dim 64 x 8 rows 12.3 -> 11.1, the 1-bit
-    # rows 11.9-18.2 -> 11.5-16.4.
-    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 11.1,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.5,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.3,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 13.1,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 16.4,
+    # rows 11.9-18.2 -> 11.5-16.4. Then (2026-11-29, a later session) p was split into its fp16 halves once, by the
+    # thread that computes it, instead of by each of the lanes that read it back (16 split pairs -> 4 a row and step),
+    # and 8 rows took the InnerQ tiles' k-split MMAs (B's columns the 8 rows, hi / lo two MMAs into one accumulator: no
+    # FADD of the halves, half the accumulators to rescale): kivi2 at head_dim 64 x 8 rows 11.1 -> 10.3, at 128 9.0 ->
+    # 8.5, the 1-bit rows at 8 rows 13.3 / 16.4 -> 12.6 / 15.2; 1 bit at head_dim 64 x 4 rows went 13.1 -> 13.3 (-24
+    # instructions of split, +39 of addresses that ptxas now recomputes in the loop: strides and row offsets).
+    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 10.3,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.4,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 12.6,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 13.3,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 15.2,
     # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
     # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
     # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2

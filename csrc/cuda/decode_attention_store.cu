@@ -148,6 +148,19 @@ __device__ __forceinline__ uint32_t split_pair(float a, float b, float part) {
 #endif
 }
 
+// Both fp16 pairs of the split of (a, b) at once: .x = part 0 (hi), .y = part 1 (lo), as split_pair's.
+__device__ __forceinline__ uint2 split_pairs(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  const __half2 hi = __floats2half2_rn(a, b);
+  const float2 hf = __half22float2(hi);
+  const __half2 lo = __floats2half2_rn(a - hf.x, b - hf.y);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo));
+#else
+  const HalfSplit sa = split_half(a), sb = split_half(b);
+  return make_uint2(pack_half2(sa.hi, sb.hi), pack_half2(sa.lo, sb.lo));
+#endif
+}
+
 // B fragment (mma.cuh) of one lane from the 8 values v[0..8) its column takes in one 32-element block: pairs
 // (i, i + 4) in the decoders' order, part 0 = hi, 1 = lo of the fp16 split.
 __device__ __forceinline__ uint4 b_fragment(const float (&v)[8], float part) {
@@ -805,17 +818,26 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 // pairs of the thread's rows 4t .. 4t + 3. Per warp step of 64 tokens:
 //   scores  the key store's rows are channels: D / 16 k-steps; lane g owns tokens 8g .. 8g + 7 of the step (8 columns,
 //           4 m-tiles); B = q' staged once per CTA as fragments [NT][D / 16][32 lanes]. Thread (g, t) gets the scores of
-//           query row 4 nt + t for its 8 tokens.
-//   softmax as the InnerQ tiles (3 shuffles for a row's max and sum); p * 2^14 to the warp's shared [QR][64].
+//           query row score_row(nt, t) for its 8 tokens: 4 nt + t, B's columns 4 rows x (hi, lo); with 8 rows (kKDup)
+//           2t + nt, B's columns the 8 rows and the fragments' two "n-tiles" the hi and lo halves, two MMAs into one
+//           accumulator (kstep_compute_paired's KDUP).
+//   softmax as the InnerQ tiles (3 shuffles for a row's max and sum); p * 2^14, split into its fp16 hi and lo halves
+//           by the thread that computed it (8 tokens: 4 pairs), to the warp's shared [2 halves][QR][kKiviPs].
 //   P.V     the value store's rows are tokens: 4 k-steps; lane g owns channels (D / 8) g .. + D / 8 - 1 (16 or 8
-//           columns); B = p of the thread's 4 tokens, read back from shared memory. The fp32 accumulators hold
-//           channel 2i (d[i][nt][0] + [1]) and 2i + 1 ([2] + [3]) of the lane's columns.
+//           columns); B = p of the thread's 4 tokens, one 8-byte load of each half it takes. The fp32 accumulators
+//           hold channel 2i (o[i][nt][0] + [1]) and 2i + 1 ([2] + [3]) of the lane's columns; with 8 rows o[i][0][nt]
+//           and o[i][0][2 + nt] for row 2t + nt.
 // Precision: the composed KIVI path's (gemv_kivi): every dequantized key and value is rounded once to fp16
 // (relative 2^-11), products and sums fp32. The InnerQ tiles above are exact in the codes instead.
 constexpr int kKiviTok = 64;  // tokens per warp step: 8 lanes x 8 key columns (= kStoreStep)
+// fp16 elements per row of a warp's p halves: 32 bytes past the tokens, so that the P.V fragment loads (8 bytes of 8
+// rows, or of 4 rows x 2 halves, at 4 offsets) fall on distinct bank quarters, 2 wavefronts a load (the least); the
+// softmax's 16-byte stores take 4 at 4 rows (the least) and 8 at 8 rows (rows 2t and 2t + 2 share banks: no stride
+// serves both, and the loads are twice as many)
+constexpr int kKiviPs = kKiviTok + 16;
 
 __host__ __device__ constexpr int kivi_smem_floats(int D, int QR) {
-  return (QR + 3) / 4 * 4 + kWarps * QR * kKiviTok + kWarps * QR * D + kWarps * QR * 2;
+  return (QR + 3) / 4 * 4 + kWarps * QR * kKiviPs + kWarps * QR * D + kWarps * QR * 2;
 }
 // After the floats: the key MMAs' B fragments [NT][D / 16][32 lanes] (uint2), then per warp the step's scales and
 // zeros in the MMAs' row pairs (uint4): keys [2 token halves][D / 4 channel quads], values [D / 32 groups at most][TOK
@@ -826,7 +848,8 @@ __host__ __device__ constexpr int kivi_smem_bytes(int D, int QR) {
 
 // Resident CTAs of the KIVI tiles: 3 with 4 query rows (168 registers, no spill, +14-18 instructions a step against
 // 192-206 registers at 2 CTAs; 12 warps an SM keep 1.5x the loads in flight), 2 with 8 (at 3, head_dim 64 also fits
-// 168 registers but takes +33 instructions a step, 13.0 -> 13.3 per byte at 2 bits, which the model calls slower)
+// 168 registers but takes +6-14 instructions a step, 10.3 -> 10.4 per byte at 2 bits, which the model calls slower;
+// its 1- and 4-bit instantiations take <= 168 registers at 2 and so hold 3 CTAs anyway)
 __host__ __device__ constexpr int kivi_min_ctas(int NT) { return NT == 1 ? 3 : 2; }
 
 template <int D, int NT, int KB, int VB>
@@ -835,9 +858,11 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   constexpr int KCPL = 8, VCPL = D / 8;  // columns per lane: key tokens, value channels
   static_assert(8 * KCPL == TOK && (VCPL == 8 || VCPL == 16), "a warp step covers 8 lanes' columns");
   extern __shared__ __align__(16) float smem[];
+  constexpr bool kKDup = NT == 2;  // 8 rows: the k-split MMAs (see above)
+  constexpr int ND = kKDup ? 1 : NT;  // accumulator n-tiles
   float* const unscale_s = smem;                       // [QR] (padded to 4)
-  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][QR][TOK]
-  float* const om = ps_all + kWarps * QR * TOK;        // [kWarps][QR][D]; before the loop: the staged queries [QR][D]
+  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][2][QR][kKiviPs] fp16
+  float* const om = ps_all + kWarps * QR * kKiviPs;    // [kWarps][QR][D]; before the loop: the staged queries [QR][D]
   float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
   uint2* const qf = reinterpret_cast<uint2*>(ml + kWarps * QR * 2);  // [NT][KS][32]
 
@@ -845,7 +870,6 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   uint4* const tables = reinterpret_cast<uint4*>(qf + NT * KS * 32);      // keys' [kWarps][2][D / 4], then values'
   uint4* const kaff = tables + warp * 2 * (D / 4);                          // the warp's [2][D / 4]
   uint4* const vaff = tables + kWarps * 2 * (D / 4) + warp * (D / 32) * (TOK / 4);  // and [D / 32][TOK / 4]
-  const float part = static_cast<float>(g & 1);  // this lane's B column holds the lo (1) or hi (0) fp16 terms
   const TileCta c = tile_cta<QR>(p, L);
   const int64_t b = c.b, hk = c.hk, S = c.S, lo = c.lo, hi = c.hi;
 
@@ -873,22 +897,22 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   }
 
   // ---- queries, then the key MMAs' B fragments: lane (g, t) of k-step ks, n-tile nt: q'[4 nt + g / 2][16 ks + 4t ..
-  // + 3], part g & 1 ----------------------------------------------------------------------------------------------
+  // + 3], part g & 1 (kKDup: q'[g][...], part nt) -------------------------------------------------------------------
   stage_queries<D, QR>(p, L, c, om, unscale_s, warp, lane);
   __syncthreads();
   for (int i = tid; i < NT * KS * 32; i += kThreads) {
-    const int ln = i % 32, ks = (i / 32) % KS, nt = i / (32 * KS);
-    const float* src = om + (4 * nt + (ln >> 3)) * D + 16 * ks + 4 * (ln & 3);
-    const float pl = static_cast<float>((ln >> 2) & 1);
+    const int ln = i % 32, ks = (i / 32) % KS, nt = i / (32 * KS), lg = ln >> 2;
+    const float* src = om + (kKDup ? lg : 4 * nt + (lg >> 1)) * D + 16 * ks + 4 * (ln & 3);
+    const float pl = static_cast<float>(kKDup ? nt : lg & 1);
     qf[i] = make_uint2(split_pair(src[0], src[1], pl), split_pair(src[2], src[3], pl));
   }
   float us[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) us[nt] = unscale_s[4 * nt + t];
+  for (int nt = 0; nt < NT; ++nt) us[nt] = unscale_s[score_row(kKDup, nt, t)];
   __syncthreads();
 
   // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
-  ScoreRows<NT> rows = score_rows<NT>(p, L, c, t);
+  ScoreRows<NT> rows = score_rows<NT, kKDup>(p, L, c, t);
   const bool masked = p.mask != nullptr;
 
   // Addressing (32-bit row offsets from 64-bit slice bases, as above). Keys: this thread's channel rows 16 ks + 4t + j,
@@ -920,13 +944,16 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   const uint32_t* const vc_b = V.codes + b * V.c_sb + hk * V.c_sh + vslot.word;
   const uint16_t* const vs_b = V.scales + b * V.s_sb + hk * V.s_sh;
   const uint16_t* const vz_b = V.zeros + b * V.z_sb + hk * V.z_sh;
-  float* const ps = ps_all + warp * QR * TOK;
+  // the warp's p halves [2][QR][kKiviPs]; this lane's P.V fragment loads start at pf_lane: row 4 nt + g / 2, half
+  // g & 1 (kKDup: row g, each half)
+  uint16_t* const ps = reinterpret_cast<uint16_t*>(ps_all + warp * QR * kKiviPs);
+  const uint16_t* const pf_lane = ps + (kKDup ? g * kKiviPs : ((g & 1) * QR + (g >> 1)) * kKiviPs) + 4 * t;
 
-  float o[VCPL / 2][NT][4];
+  float o[VCPL / 2][ND][4];
 #pragma unroll
   for (int i = 0; i < VCPL / 2; ++i)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) o[i][nt][0] = o[i][nt][1] = o[i][nt][2] = o[i][nt][3] = 0.f;
+    for (int nt = 0; nt < ND; ++nt) o[i][nt][0] = o[i][nt][1] = o[i][nt][2] = o[i][nt][3] = 0.f;
 
   // One warp step from f0, with or without the masks (run_warp_steps)
   const auto warp_step = [&](const int64_t f0, auto masks) {
@@ -940,11 +967,11 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
     // the step's word offset goes into the row base once, so each load below is one IMAD.WIDE with a literal row
     // (base + (16 ks + j) * stride + kw would cost a 64-bit add per load after it)
     const uint32_t* const kc_s = kc_t + kw;
-    float d[KCPL / 2][NT][4];
+    float d[KCPL / 2][ND][4];
 #pragma unroll
     for (int i = 0; i < KCPL / 2; ++i)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) d[i][nt][0] = d[i][nt][1] = d[i][nt][2] = d[i][nt][3] = 0.f;
+      for (int nt = 0; nt < ND; ++nt) d[i][nt][0] = d[i][nt][1] = d[i][nt][2] = d[i][nt][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       LaneCodes<KB, KCPL> lc[4];
@@ -973,15 +1000,16 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
         __syncwarp();
       }
       const uint4 kf = kaff[(g >> 2) * (D / 4) + 4 * ks + t];  // (s01, s23, z01, z23) of rows 16 ks + 4t + j
-      kstep_compute_paired<KB, NT, KCPL>(lc, kf.x, kf.y, kf.z, kf.w, qf + ks * 32 + lane, KS * 32, ksel, L.kivi_k, d);
+      kstep_compute_paired<KB, NT, KCPL, kKDup>(lc, kf.x, kf.y, kf.z, kf.w, qf + ks * 32 + lane, KS * 32, ksel,
+                                                L.kivi_k, d);
     }
     float sc[NT][KCPL];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < KCPL / 2; ++i) {
-        sc[nt][2 * i] = d[i][nt][0] + d[i][nt][1];
-        sc[nt][2 * i + 1] = d[i][nt][2] + d[i][nt][3];
+        sc[nt][2 * i] = kKDup ? d[i][0][nt] : d[i][nt][0] + d[i][nt][1];
+        sc[nt][2 * i + 1] = kKDup ? d[i][0][2 + nt] : d[i][nt][2] + d[i][nt][3];
       }
 
     // ---- online softmax of the thread's rows; p * 2^14 to the warp's shared tile ---------------------------------
@@ -1001,29 +1029,37 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
         pj[j] = seen ? exp2f(fmaf(sc[nt][j] - m_new, kl, kPScaleLog2)) : 0.f;
         sum += pj[j];
       }
-      float* dst = ps + (4 * nt + t) * TOK + KCPL * g;
-      *reinterpret_cast<float4*>(dst) = make_float4(pj[0], pj[1], pj[2], pj[3]);
-      *reinterpret_cast<float4*>(dst + 4) = make_float4(pj[4], pj[5], pj[6], pj[7]);
+      // split here, once per pair of p (read back, each of the 8 lanes of its row and half would split it again)
+      uint2 sp[KCPL / 2];
+#pragma unroll
+      for (int j = 0; j < KCPL / 2; ++j) sp[j] = split_pairs(pj[2 * j], pj[2 * j + 1]);
+      uint16_t* const dst = ps + score_row(kKDup, nt, t) * kKiviPs + KCPL * g;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(sp[0].x, sp[1].x, sp[2].x, sp[3].x);
+      *reinterpret_cast<uint4*>(dst + QR * kKiviPs) = make_uint4(sp[0].y, sp[1].y, sp[2].y, sp[3].y);
       sum += __shfl_xor_sync(0xffffffffu, sum, 4);
       sum += __shfl_xor_sync(0xffffffffu, sum, 8);
       sum += __shfl_xor_sync(0xffffffffu, sum, 16);
       rows.l_run[nt] = fmaf(rows.l_run[nt], alpha, sum);
       rows.m_run[nt] = m_new;
 #pragma unroll
-      for (int i = 0; i < VCPL / 2; ++i)
+      for (int i = 0; i < VCPL / 2; ++i) {
+        if constexpr (kKDup) {  // this row's accumulators: o[i][0][nt], o[i][0][2 + nt]
+          o[i][0][nt] *= alpha, o[i][0][2 + nt] *= alpha;
+        } else {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) o[i][nt][k] *= alpha;
+          for (int k = 0; k < 4; ++k) o[i][nt][k] *= alpha;
+        }
+      }
     }
     __syncwarp();
-    // B fragments of p: lane (g, t) of k-step vs takes row 4 nt + g / 2, tokens 16 vs + 4t .. + 3, part g & 1
+    // B fragments of p: lane (g, t) of k-step vs takes tokens 16 vs + 4t .. + 3 of row 4 nt + g / 2, half g & 1
+    // (kKDup: of row g, half nt), one 8-byte load
     uint2 pf[VS][NT];
 #pragma unroll
     for (int vs = 0; vs < VS; ++vs)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float4 a = *reinterpret_cast<const float4*>(ps + (4 * nt + (g >> 1)) * TOK + 16 * vs + 4 * t);
-        pf[vs][nt] = make_uint2(split_pair(a.x, a.y, part), split_pair(a.z, a.w, part));
-      }
+      for (int nt = 0; nt < NT; ++nt)
+        pf[vs][nt] = *reinterpret_cast<const uint2*>(pf_lane + (kKDup ? nt * QR : 4 * nt) * kKiviPs + 16 * vs);
 
     // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
     const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;
@@ -1059,7 +1095,7 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
         __syncwarp();
       }
       const uint4 vf = vaff[vgi * (TOK / 4) + 4 * vs + t];  // (s01, z01, s23, z23) of rows 16 vs + 4t + j
-      kstep_compute_paired<VB, NT, VCPL>(lc, vf.x, vf.z, vf.y, vf.w, &pf[vs][0], 1, vsel, L.kivi_v, o);
+      kstep_compute_paired<VB, NT, VCPL, kKDup>(lc, vf.x, vf.z, vf.y, vf.w, &pf[vs][0], 1, vsel, L.kivi_v, o);
     }
   };
   run_warp_steps<NT, TOK, true>(rows, masked, lo, hi, warp, warp_step);
@@ -1067,12 +1103,12 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   // ---- merge the warps' partials and write the split's slot of the workspace --------------------------------------
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int r = 4 * nt + t;
+    const int r = score_row(kKDup, nt, t);
     float* dst = om + (warp * QR + r) * D + VCPL * g;
 #pragma unroll
     for (int i = 0; i < VCPL / 2; ++i) {
-      dst[2 * i] = o[i][nt][0] + o[i][nt][1];
-      dst[2 * i + 1] = o[i][nt][2] + o[i][nt][3];
+      dst[2 * i] = kKDup ? o[i][0][nt] : o[i][nt][0] + o[i][nt][1];
+      dst[2 * i + 1] = kKDup ? o[i][0][2 + nt] : o[i][nt][2] + o[i][nt][3];
     }
     if (g == 0) {
       ml[(warp * QR + r) * 2] = masked ? rows.m_run[nt] : rows.m_run[nt] * us[nt];

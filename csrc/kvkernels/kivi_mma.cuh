@@ -143,11 +143,15 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t X, uint32_t Xh, int cc,
 // Rows 4t .. 4t + 3 of the lane's columns (codes lc) against the step's B fragments (frag: n-tile 0, the next n-tile
 // frag_nt_stride further), accumulated into d, with the four rows' scales and zeros as fp16 pairs: s01 = (s of row
 // 4t, s of row 4t + 1), s23, z01, z23 (kstep_compute below takes them one by one).
-template <int BITS, int NT, int CPL>
+// KDUP (8 query rows, NT = 2): B's 8 columns are the 8 rows, and frag's two "n-tiles" are the hi and lo halves of
+// the split, two MMAs into the one accumulator d[i][0] (the hi + lo sum needs no FADD, and the accumulators are half
+// as many): d[i][0] holds (column 2i, rows 2t, 2t + 1), (column 2i + 1, the same).
+template <int BITS, int NT, int CPL, bool KDUP = false>
 __device__ __forceinline__ void kstep_compute_paired(const LaneCodes<BITS, CPL> (&lc)[4], uint32_t s01, uint32_t s23,
                                                      uint32_t z01, uint32_t z23, const uint2* __restrict__ frag,
                                                      int frag_nt_stride, const LaneSel& ls, const KiviConsts& dec,
-                                                     float (&d)[CPL / 2][NT][4]) {
+                                                     float (&d)[CPL / 2][KDUP ? 1 : NT][4]) {
+  static_assert(!KDUP || NT == 2, "the k-split form takes the hi and lo halves as its two fragments");
   uint2 B[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) B[nt] = frag[nt * frag_nt_stride];
@@ -166,7 +170,8 @@ __device__ __forceinline__ void kstep_compute_paired(const LaneCodes<BITS, CPL> 
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const uint32_t Bn[2] = {B[nt].x, B[nt].y};
-      mma_m16n8k16(d[i][nt], A, Bn, d[i][nt]);
+      float (&acc)[4] = d[i][KDUP ? 0 : nt];
+      mma_m16n8k16(acc, A, Bn, acc);
     }
   }
 }
