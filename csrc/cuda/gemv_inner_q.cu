@@ -140,6 +140,18 @@ __device__ __forceinline__ void gather_chunk(const ChunkWords<BITS, VEC>& c, int
 // ---- one block of the two rows: decode, 2 MMAs per n-tile, fold ------------------------------------------------------
 // sym decodes to the signed levels u - 2^(b-1) (decode_offset, no zero term); asym and hybrid decode u and add
 // zeff * sum(x): in the main loop as one "zero MMA" per chunk (zero_mma below), in the tail per block in fp32 (ZFOLD).
+//
+// Query slots: thread t's results are for query row slot_row(nt, t) of the pass. 4 rows (NT = 1): B's 8 columns are
+// the 4 rows x (hi, lo) and a fold adds the two (d[0] + d[1]). 8 rows (NT = 2, kdup): B's columns are the 8 rows and
+// the hi / lo halves of the split are two more k-steps into the same accumulator (4 MMAs a block, as two n-tiles
+// take, and no FADD per fold): d = (row g: query rows 2t, 2t + 1; row g + 8: the same), and the "n-tiles" of the
+// fragments (frag_nt_stride apart) are the hi and the lo halves of all 8 rows.
+template <int NT>
+__host__ __device__ constexpr bool kdup() {
+  return NT == 2;
+}
+__host__ __device__ constexpr int slot_row(bool kd, int nt, int t) { return kd ? 2 * t + nt : 4 * nt + t; }
+
 template <int BITS, QuantMode MODE, int NT, bool ZFOLD>
 __device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb, uint32_t Xhb, uint16_t sa,
                                           uint16_t za, uint16_t sb, uint16_t zb, const uint4* __restrict__ frag,
@@ -153,6 +165,27 @@ __device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb
   const uint32_t A1[4] = {ha[2], hb[2], ha[3], hb[3]};  // k-step 1: pairs P2, P3
   const GroupAffine fa = group_affine<MODE, BITS>(sa, za), fb = group_affine<MODE, BITS>(sb, zb);
   const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (kdup<NT>()) {
+    const uint4 H = frag[0], L = frag[frag_nt_stride];
+    const uint32_t H0[2] = {H.x, H.y}, H1[2] = {H.z, H.w}, L0[2] = {L.x, L.y}, L1[2] = {L.z, L.w};
+    float d[4];
+    mma_m16n8k16(d, A0, H0, zero);
+    mma_m16n8k16(d, A1, H1, d);
+    mma_m16n8k16(d, A0, L0, d);
+    mma_m16n8k16(d, A1, L1, d);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {  // d[nt]: row g, query row 2t + nt; d[2 + nt]: row g + 8
+      if constexpr (MODE == QuantMode::kSym || !ZFOLD) {
+        acc[nt][0] = fmaf(fa.s, d[nt], acc[nt][0]);
+        acc[nt][1] = fmaf(fb.s, d[2 + nt], acc[nt][1]);
+      } else {
+        const float xs = xsum_blk[(2 * t + nt) * xsum_q_stride];
+        acc[nt][0] = fmaf(fa.s, d[nt], fmaf(fa.zeff, xs, acc[nt][0]));
+        acc[nt][1] = fmaf(fb.s, d[2 + nt], fmaf(fb.zeff, xs, acc[nt][1]));
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const uint4 B = frag[nt * frag_nt_stride];
@@ -198,10 +231,18 @@ __device__ __forceinline__ ZeroA zero_a(uint32_t s0, uint32_t s1, uint32_t zp) {
   }
 }
 
+// kdup: zfrag's two "n-tiles" are the hi and lo halves of the 8 query rows, both into zacc[0] (zacc[1] stays 0).
 template <int NT>
 __device__ __forceinline__ void zero_mma(const ZeroA& a, const ZeroA& b, const uint2* __restrict__ zfrag,
                                          int zfrag_nt_stride, float (&zacc)[NT][4]) {
   const uint32_t A[4] = {a.z, b.z, a.s, b.s};
+  if constexpr (kdup<NT>()) {
+    const uint2 H = zfrag[0], L = zfrag[zfrag_nt_stride];
+    const uint32_t Hf[2] = {H.x, H.y}, Lf[2] = {L.x, L.y};
+    mma_m16n8k16(zacc[0], A, Hf, zacc[0]);
+    mma_m16n8k16(zacc[0], A, Lf, zacc[0]);
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const uint2 B = zfrag[nt * zfrag_nt_stride];
@@ -489,11 +530,14 @@ __device__ __forceinline__ void ring64_compute(const char* slot, int h, int g, c
   }
 }
 
-// Result of row g (i = 0) or g + 8 (i = 1) of the tile for n-tile nt: the fp32 sums plus the zero MMA's two columns.
+// Result of row g (i = 0) or g + 8 (i = 1) of the tile for query slot nt: the fp32 sums plus the zero MMA's (kdup:
+// its column of the slot's row; else the sum of its hi and lo columns).
 template <QuantMode MODE, int NT>
 __device__ __forceinline__ float tile_result(const float (&acc)[NT][2], const float (&zacc)[NT][4], int nt, int i) {
   if constexpr (MODE == QuantMode::kSym) {
     return acc[nt][i];
+  } else if constexpr (kdup<NT>()) {
+    return fmaf(zacc[0][2 * i + nt], static_cast<float>(1 << kZeroShift), acc[nt][i]);
   } else {
     return fmaf(zacc[nt][2 * i] + zacc[nt][2 * i + 1], static_cast<float>(1 << kZeroShift), acc[nt][i]);
   }
@@ -505,8 +549,8 @@ __device__ __forceinline__ void zero_tile(float (&acc)[NT][2], float (&zacc)[NT]
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = zacc[nt][0] = zacc[nt][1] = zacc[nt][2] = zacc[nt][3] = 0.f;
 }
 
-// Epilogue of a tile: thread (g, t) writes rows ma = g (if store_a) and ma + 8 (if store_b) for query row 4 nt + t of
-// each n-tile (outq[nt] null: past the last query row), unscaled.
+// Epilogue of a tile: thread (g, t) writes rows ma = g (if store_a) and ma + 8 (if store_b) for query row slot_row(nt,
+// t) of each slot (outq[nt] null: past the last query row), unscaled.
 template <QuantMode MODE, int NT>
 __device__ __forceinline__ void store_tile(float* const (&outq)[NT], const float (&usq)[NT], int64_t ma,
                                            const float (&acc)[NT][2], const float (&zacc)[NT][4], bool store_a,
@@ -605,12 +649,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     __syncthreads();
     // pass 1: max |xs| per query row, the row's 2^-e
     stage_row_scales<QR>(xoff_of, xs_at, len, amax, unscale, 1.f, lane);
-    // pass 2: B fragments. Warp task = (n-tile, block); lane (col = g, t) holds query row 4 nt + g / 2, part g & 1,
-    // values 8t + i of the block as pairs (i, i + 4).
+    // pass 2: B fragments. Warp task = (n-tile, block); lane (col = g, t) holds query row 4 nt + g / 2, part g & 1
+    // (kdup: query row g, part nt), values 8t + i of the block as pairs (i, i + 4).
+    constexpr bool kKDup = kdup<NT>();
 #pragma unroll 2  // two tasks' 8 loads each in flight together
     for (int task = warp; task < NT * nblk; task += nwarps) {
       const int nt = task / nblk, blk = task - nt * nblk;
-      const int q = 4 * nt + (g >> 1);
+      const int q = kKDup ? g : 4 * nt + (g >> 1);
+      const bool lo_part = kKDup ? nt != 0 : (g & 1) != 0;
       const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
       const int64_t xoff = xoff_of(q);
       uint16_t hv[8];
@@ -620,14 +666,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         const float v = xs_at(xoff, 32 * blk + 8 * t + i) * scale;
         part_sum += v;
         const HalfSplit sp = split_half(v);
-        hv[i] = (g & 1) ? sp.lo : sp.hi;
+        hv[i] = lo_part ? sp.lo : sp.hi;
       }
       xfrag[task * 32 + lane] = make_uint4(pack_half2(hv[0], hv[4]), pack_half2(hv[1], hv[5]),
                                            pack_half2(hv[2], hv[6]), pack_half2(hv[3], hv[7]));
       if constexpr (kZeros) {
         part_sum += __shfl_xor_sync(0xffffffffu, part_sum, 1);
         part_sum += __shfl_xor_sync(0xffffffffu, part_sum, 2);
-        if (t == 0 && (g & 1) == 0) xsum[q * nblk + blk] = part_sum;
+        if (t == 0 && !lo_part) xsum[q * nblk + blk] = part_sum;  // one lane of the row's two
       }
     }
     if constexpr (kZeros) {
@@ -636,12 +682,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
 #pragma unroll 1
       for (int task = warp; task < NT * nchunks; task += nwarps) {
         const int nt = task / nchunks, c = task - nt * nchunks;
-        const int q = 4 * nt + (g >> 1);
+        const int q = kKDup ? g : 4 * nt + (g >> 1);
+        const bool lo_part = kKDup ? nt != 0 : (g & 1) != 0;
         uint2 f = make_uint2(0u, 0u);
         if (t < 2) {
           const float* xs = xsum + q * nblk + c * kChunkBlocks + 2 * t;
           const float v0 = xs[0] * (1.f / (1 << kZeroShift)), v1 = xs[1] * (1.f / (1 << kZeroShift));
-          const auto part = [&](float v) { const HalfSplit sp = split_half(v); return (g & 1) ? sp.lo : sp.hi; };
+          const auto part = [&](float v) { const HalfSplit sp = split_half(v); return lo_part ? sp.lo : sp.hi; };
           f.x = pack_half2(part(v0), part(v1));
           if constexpr (MODE == QuantMode::kHybrid) {
             constexpr float m = static_cast<float>(1 << (BITS - 1));
@@ -654,14 +701,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     __syncthreads();
 
     // ---- 16-row tiles ---------------------------------------------------------------------------------------------
-    // this thread's output pointers (query row 4 nt + t of each n-tile) and unscale factors for the whole pass
+    // this thread's output pointers (query row slot_row(nt, t) of each slot) and unscale factors for the whole pass
     float* outq[NT];
     float usq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int qg = q0 + 4 * nt + t;
+      const int qg = q0 + slot_row(kKDup, nt, t);
       outq[nt] = nullptr;
-      usq[nt] = unscale[4 * nt + t];
+      usq[nt] = unscale[slot_row(kKDup, nt, t)];
       if (qg < k.qb)
         outq[nt] = k.out.base + blockIdx.y * k.out.s_split + b * k.out.sb + (hkv * k.gq + qg / k.tc) * k.out.sh +
                    (qg % k.tc) * k.out.st;
@@ -810,7 +857,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, __ldg(r.s[0] + gi), za, __ldg(r.s[1] + gi), zb,
                                         cx.frag + blk * 32, nblk * 32, xsum + blk, nblk, t, kc, acc);
       }
-      // epilogue: thread (g, t) holds rows g and g + 8 of the tile for query row 4 nt + t of each n-tile
+      // epilogue: thread (g, t) holds rows g and g + 8 of the tile for query row slot_row(nt, t) of each slot
       store_tile<MODE, NT>(outq, usq, ma, acc, zacc, ok_a, ok_b);
     }
   }

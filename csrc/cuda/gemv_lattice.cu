@@ -245,6 +245,14 @@ __device__ __forceinline__ void key_lookup(const uint32_t* __restrict__ row, int
 // memory (one LDS.128 per two k-steps and n-tile).
 __host__ __device__ constexpr bool key_b_in_smem(int dim, int) { return dim > 128; }
 
+// 8 query rows take the k-split MMAs (B's columns the 8 rows, hi / lo two MMAs into one accumulator: no FADD of the
+// halves per group fold), 4-11 % fewer instructions a tile by the SASS model, except EDEN2-64 at head_dim 64 with one
+// group a row (G = 64), where ptxas at the 128-register cap re-derives lookup and row addresses in the loop: +16 (251
+// -> 267, 9.7 -> 10.3 per byte); it keeps the 4 rows x (hi, lo) columns.
+__host__ __device__ constexpr bool key_kdup(LatticeGrid grid, int dim, int g, int nt) {
+  return nt == 2 && !(grid == LatticeGrid::kE2_64 && dim == 64 && g == 64);
+}
+
 // Shared memory before the keys' ring: the table, the rotated query rows, (D = 256) the B fragments, the row maxima.
 __host__ __device__ constexpr int64_t key_fixed_bytes(int64_t table, int dim, int nt) {
   return round_up(table + 4 * nt * dim * 4 + (key_b_in_smem(dim, nt) ? dim / 16 * nt * 32 * 8 : 0) + 4 * nt * 4, 16);
@@ -404,13 +412,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
     __syncthreads();
 
     // ---- B fragments of every k-step: lane (g, t) holds query row 4 nt + g / 2, hi (g even) or lo. In registers, or
-    // (kBSmem: D = 256 with 8 query rows would not fit) in shared memory, each lane reading back its own.
+    // (kBSmem: D = 256 with 8 query rows would not fit) in shared memory, each lane reading back its own. 8 rows
+    // (kKDup, key_kdup): B's columns are the 8 query rows, and "n-tile" nt holds part nt (hi, lo) of row g, two MMAs
+    // into one accumulator (as the InnerQ GEMV's block_mma): no FADD of the halves before each group's fold.
+    constexpr bool kKDup = key_kdup(GRID, DIM, G, NT);
     uint32_t bq[kBSmem ? 1 : KS][NT][2];
     float usq[NT];
     float* outq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int q = 4 * nt + (g >> 1);
+      const int q = kKDup ? g : 4 * nt + (g >> 1);
+      const bool lo_part = kKDup ? nt != 0 : (g & 1) != 0;
       const float sc = exp2i(scale_exponent(amax[q]));
       const float* row = qbuf + q * DIM;
 #pragma unroll
@@ -420,15 +432,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
           const int kk = 2 * t + 8 * r;
           const HalfSplit s0 = split_half(row[lattice_key_channel(GRID, ks, kk)] * sc);
           const HalfSplit s1 = split_half(row[lattice_key_channel(GRID, ks, kk + 1)] * sc);
-          const uint32_t v = (g & 1) ? pack_half2(s0.lo, s1.lo) : pack_half2(s0.hi, s1.hi);
+          const uint32_t v = lo_part ? pack_half2(s0.lo, s1.lo) : pack_half2(s0.hi, s1.hi);
           if constexpr (kBSmem) {
             reinterpret_cast<uint32_t*>(bsm + ((ks / 2) * NT + nt) * 32 + lane)[2 * (ks % 2) + r] = v;
           } else {
             bq[ks][nt][r] = v;
           }
         }
-      // this thread's results: query row 4 nt + t of the pass
-      const int qo = 4 * nt + t, qg = q0 + qo;
+      // this thread's results: query row 4 nt + t of the pass (kKDup: 2t + nt)
+      const int qo = kKDup ? 2 * t + nt : 4 * nt + t, qg = q0 + qo;
       usq[nt] = exp2i(-scale_exponent(amax[qo]));
       outq[nt] = qg < k.qb ? k.out.base + b * k.out.sb + (hkv * k.gq + qg / k.tc) * k.out.sh + (qg % k.tc) * k.out.st
                            : nullptr;
@@ -436,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
 
     // ---- 16-token tiles: thread (g, t) scores tokens g and g + 8 -------------------------------------------------------
     // rows ca / cb of codes, ra / rb of norms (in global memory, or in a ring slot: from_smem) -> acc[nt][0 / 1] for
-    // query row 4 nt + t
+    // query row 4 nt + t (kKDup: 2t + nt)
     const auto tile_scores = [&](auto from_smem, const uint32_t* ca, const uint32_t* cb, const uint16_t* ra,
                                  const uint16_t* rb, float (&acc)[NT][2]) {
       constexpr bool kSmem = decltype(from_smem)::value;
@@ -453,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = 0.f;
 #pragma unroll
       for (int grp = 0; grp < NG; ++grp) {
-        float d[NT][4];
+        float d[NT][4];  // (kKDup: d[0] only)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
         uint4 bpair[NT];  // kBSmem: this k-step pair's B fragments (a group has an even number of k-steps)
@@ -468,18 +480,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
             if constexpr (kBSmem) {
               if (ks % 2 == 0) bpair[nt] = bsm[((ks / 2) * NT + nt) * 32 + lane];
               const uint32_t Bn[2] = {ks % 2 ? bpair[nt].z : bpair[nt].x, ks % 2 ? bpair[nt].w : bpair[nt].y};
-              mma_m16n8k16(d[nt], A, Bn, d[nt]);
+              mma_m16n8k16(d[kKDup ? 0 : nt], A, Bn, d[kKDup ? 0 : nt]);
             } else {
-              mma_m16n8k16(d[nt], A, bq[ks][nt], d[nt]);
+              mma_m16n8k16(d[kKDup ? 0 : nt], A, bq[ks][nt], d[kKDup ? 0 : nt]);
             }
           }
         }
-        // d = (token a: query t hi, lo; token b: query t hi, lo); the group's norms in fp32
+        // d = (token a: query t hi, lo; token b: query t hi, lo), kKDup d[0] = (token a: query 2t, 2t + 1; token b:
+        // the same); the group's norms in fp32
         const float sa = half_bits_to_float(ld_ro<kSmem>(ra + grp)), sb = half_bits_to_float(ld_ro<kSmem>(rb + grp));
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          acc[nt][0] = fmaf(sa, d[nt][0] + d[nt][1], acc[nt][0]);
-          acc[nt][1] = fmaf(sb, d[nt][2] + d[nt][3], acc[nt][1]);
+          acc[nt][0] = fmaf(sa, kKDup ? d[0][nt] : d[nt][0] + d[nt][1], acc[nt][0]);
+          acc[nt][1] = fmaf(sb, kKDup ? d[0][2 + nt] : d[nt][2] + d[nt][3], acc[nt][1]);
         }
       }
     };
