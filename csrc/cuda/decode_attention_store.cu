@@ -822,7 +822,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 //           2t + nt, B's columns the 8 rows and the fragments' two "n-tiles" the hi and lo halves, two MMAs into one
 //           accumulator (kstep_compute_paired's KDUP).
 //   softmax as the InnerQ tiles (3 shuffles for a row's max and sum); p * 2^14, split into its fp16 hi and lo halves
-//           by the thread that computed it (8 tokens: 4 pairs), to the warp's shared [2 halves][QR][kKiviPs].
+//           by the thread that computed it (8 tokens: 4 pairs), to the warp's shared rows (kKiviPs, kivi_lo_at).
 //   P.V     the value store's rows are tokens: 4 k-steps; lane g owns channels (D / 8) g .. + D / 8 - 1 (16 or 8
 //           columns); B = p of the thread's 4 tokens, one 8-byte load of each half it takes. The fp32 accumulators
 //           hold channel 2i (o[i][nt][0] + [1]) and 2i + 1 ([2] + [3]) of the lane's columns; with 8 rows o[i][0][nt]
@@ -830,14 +830,16 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 // Precision: the composed KIVI path's (gemv_kivi): every dequantized key and value is rounded once to fp16
 // (relative 2^-11), products and sums fp32. The InnerQ tiles above are exact in the codes instead.
 constexpr int kKiviTok = 64;  // tokens per warp step: 8 lanes x 8 key columns (= kStoreStep)
-// fp16 elements per row of a warp's p halves: 32 bytes past the tokens, so that the P.V fragment loads (8 bytes of 8
-// rows, or of 4 rows x 2 halves, at 4 offsets) fall on distinct bank quarters, 2 wavefronts a load (the least); the
-// softmax's 16-byte stores take 4 at 4 rows (the least) and 8 at 8 rows (rows 2t and 2t + 2 share banks: no stride
-// serves both, and the loads are twice as many)
+// fp16 elements per row of a warp's p halves (hi rows, then lo rows kKiviLo further): rows 32 bytes past the tokens and
+// the lo rows 64 bytes past a multiple of 128, so that each half-warp's 8-byte P.V fragment loads (4 lanes g x 4 lanes
+// t: 8 rows of one half, or 4 rows x both halves) fall in distinct banks, 2 wavefronts a load (the least). The
+// softmax's 16-byte stores take 4 at 4 rows (the least) and 8 at 8 rows (rows 2t and 2t + 2 share banks; a row stride
+// that separated them would put those loads' rows g and g + 2 in the same banks, and the loads are twice as many).
 constexpr int kKiviPs = kKiviTok + 16;
+__host__ __device__ constexpr int kivi_lo_at(int QR) { return QR * kKiviPs + 32; }
 
 __host__ __device__ constexpr int kivi_smem_floats(int D, int QR) {
-  return (QR + 3) / 4 * 4 + kWarps * QR * kKiviPs + kWarps * QR * D + kWarps * QR * 2;
+  return (QR + 3) / 4 * 4 + kWarps * (kivi_lo_at(QR) + QR * kKiviPs) / 2 + kWarps * QR * D + kWarps * QR * 2;
 }
 // After the floats: the key MMAs' B fragments [NT][D / 16][32 lanes] (uint2), then per warp the step's scales and
 // zeros in the MMAs' row pairs (uint4): keys [2 token halves][D / 4 channel quads], values [D / 32 groups at most][TOK
@@ -861,8 +863,9 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   constexpr bool kKDup = NT == 2;  // 8 rows: the k-split MMAs (see above)
   constexpr int ND = kKDup ? 1 : NT;  // accumulator n-tiles
   float* const unscale_s = smem;                       // [QR] (padded to 4)
-  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][2][QR][kKiviPs] fp16
-  float* const om = ps_all + kWarps * QR * kKiviPs;    // [kWarps][QR][D]; before the loop: the staged queries [QR][D]
+  constexpr int kPsHalves = kivi_lo_at(QR) + QR * kKiviPs;  // a warp's p: [QR][kKiviPs] hi, at kivi_lo_at the lo
+  float* const ps_all = unscale_s + (QR + 3) / 4 * 4;  // [kWarps][kPsHalves] fp16
+  float* const om = ps_all + kWarps * kPsHalves / 2;   // [kWarps][QR][D]; before the loop: the staged queries [QR][D]
   float* const ml = om + kWarps * QR * D;              // [kWarps][QR][2]
   uint2* const qf = reinterpret_cast<uint2*>(ml + kWarps * QR * 2);  // [NT][KS][32]
 
@@ -944,10 +947,11 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   const uint32_t* const vc_b = V.codes + b * V.c_sb + hk * V.c_sh + vslot.word;
   const uint16_t* const vs_b = V.scales + b * V.s_sb + hk * V.s_sh;
   const uint16_t* const vz_b = V.zeros + b * V.z_sb + hk * V.z_sh;
-  // the warp's p halves [2][QR][kKiviPs]; this lane's P.V fragment loads start at pf_lane: row 4 nt + g / 2, half
-  // g & 1 (kKDup: row g, each half)
-  uint16_t* const ps = reinterpret_cast<uint16_t*>(ps_all + warp * QR * kKiviPs);
-  const uint16_t* const pf_lane = ps + (kKDup ? g * kKiviPs : ((g & 1) * QR + (g >> 1)) * kKiviPs) + 4 * t;
+  // the warp's p halves (kPsHalves); this lane's P.V fragment loads start at pf_lane: row 4 nt + g / 2, half g & 1
+  // (kKDup: row g, each half)
+  constexpr int kLo = kivi_lo_at(QR);
+  uint16_t* const ps = reinterpret_cast<uint16_t*>(ps_all + warp * kPsHalves / 2);
+  const uint16_t* const pf_lane = ps + (kKDup ? g * kKiviPs : (g & 1) * kLo + (g >> 1) * kKiviPs) + 4 * t;
 
   float o[VCPL / 2][ND][4];
 #pragma unroll
@@ -1029,13 +1033,13 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
         pj[j] = seen ? exp2f(fmaf(sc[nt][j] - m_new, kl, kPScaleLog2)) : 0.f;
         sum += pj[j];
       }
-      // split here, once per pair of p (read back, each of the 8 lanes of its row and half would split it again)
+      // split here, once per pair of p (read back, the hi lane and the lo lane that take it would each split it)
       uint2 sp[KCPL / 2];
 #pragma unroll
       for (int j = 0; j < KCPL / 2; ++j) sp[j] = split_pairs(pj[2 * j], pj[2 * j + 1]);
       uint16_t* const dst = ps + score_row(kKDup, nt, t) * kKiviPs + KCPL * g;
       *reinterpret_cast<uint4*>(dst) = make_uint4(sp[0].x, sp[1].x, sp[2].x, sp[3].x);
-      *reinterpret_cast<uint4*>(dst + QR * kKiviPs) = make_uint4(sp[0].y, sp[1].y, sp[2].y, sp[3].y);
+      *reinterpret_cast<uint4*>(dst + kLo) = make_uint4(sp[0].y, sp[1].y, sp[2].y, sp[3].y);
       sum += __shfl_xor_sync(0xffffffffu, sum, 4);
       sum += __shfl_xor_sync(0xffffffffu, sum, 8);
       sum += __shfl_xor_sync(0xffffffffu, sum, 16);
@@ -1059,7 +1063,7 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
     for (int vs = 0; vs < VS; ++vs)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        pf[vs][nt] = *reinterpret_cast<const uint2*>(pf_lane + (kKDup ? nt * QR : 4 * nt) * kKiviPs + 16 * vs);
+        pf[vs][nt] = *reinterpret_cast<const uint2*>(pf_lane + (kKDup ? nt * kLo : 4 * nt * kKiviPs) + 16 * vs);
 
     // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
     const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;

@@ -4,9 +4,10 @@
 //
 // Each warp runs m16n8k16 MMAs with A = 16 code rows (exact fp16 integers, decoded two per LOP3 + HFMA2,
 // csrc/kvkernels/mma.cuh) and B = the query rows of the KV head: 8 columns = 4 query rows x (hi, lo), the fp16
-// split of the fp32 activations (pre-scaled per query row by a power of two). One block = two MMAs, whose fp32
-// result is folded into the row's accumulator with the block's scale (and zeff * xsum for asym / hybrid), so every
-// product and sum after the code decode is fp32: the numerical contract of docs/FORMATS.md ("GEMV arithmetic").
+// split of the fp32 activations (pre-scaled per query row by a power of two); with 8 query rows the 8 columns are
+// the rows and hi / lo two more k-steps (kdup, block_mma). One block = two MMAs per n-tile, whose fp32 result is
+// folded into the row's accumulator with the block's scale (and zeff * xsum for asym / hybrid), so every product and
+// sum after the code decode is fp32: the numerical contract of docs/FORMATS.md ("GEMV arithmetic").
 // Per thread and block: 8 values of each of two rows (v = 8t + i, t = lane % 4), see decode_inner_q.
 //
 // CTA = (row block of M, split of L, (b, h_kv)), 32-256 threads. The CTA stages its query tile once: per query

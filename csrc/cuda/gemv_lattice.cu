@@ -7,7 +7,7 @@
 // fp16, looked up with the packed indices (csrc/kvkernels/lattice.cuh: two instructions per index or index pair,
 // FLUTE-style vectorized tables), and whose B operand is the fp32 query (keys) or probability (values) rows split
 // into fp16 hi + lo after a power-of-two prescale per row, as the other GEMVs do (4 query rows x (hi, lo) = 8 columns
-// per n-tile).
+// per n-tile; the keys' 8-row tiles: the 8 rows as columns, hi / lo two k-steps into one accumulator, key_kdup).
 //
 // Keys: CTA = (token range, (b, h_kv)), 8 warps of 16-token tiles. Per pass of 4 NT query rows the CTA loads the
 // rows times the signs into shared memory, runs the fp32 butterflies (one FWHT per group, the spec's order), and
@@ -246,9 +246,9 @@ __device__ __forceinline__ void key_lookup(const uint32_t* __restrict__ row, int
 __host__ __device__ constexpr bool key_b_in_smem(int dim, int) { return dim > 128; }
 
 // 8 query rows take the k-split MMAs (B's columns the 8 rows, hi / lo two MMAs into one accumulator: no FADD of the
-// halves per group fold), 4-11 % fewer instructions a tile by the SASS model, except EDEN2-64 at head_dim 64 with one
-// group a row (G = 64), where ptxas at the 128-register cap re-derives lookup and row addresses in the loop: +16 (251
-// -> 267, 9.7 -> 10.3 per byte); it keeps the 4 rows x (hi, lo) columns.
+// halves per group fold), up to 13 % fewer instructions a tile by the SASS model, except EDEN2-64 at head_dim 64 with
+// one group a row (G = 64), where ptxas at the 128-register cap re-derives lookup and row addresses in the loop: +16
+// (251 -> 267, 9.7 -> 10.3 per byte); it keeps the 4 rows x (hi, lo) columns.
 __host__ __device__ constexpr bool key_kdup(LatticeGrid grid, int dim, int g, int nt) {
   return nt == 2 && !(grid == LatticeGrid::kE2_64 && dim == 64 && g == 64);
 }

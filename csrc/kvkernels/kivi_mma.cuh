@@ -145,7 +145,7 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t X, uint32_t Xh, int cc,
 // 4t, s of row 4t + 1), s23, z01, z23 (kstep_compute below takes them one by one).
 // KDUP (8 query rows, NT = 2): B's 8 columns are the 8 rows, and frag's two "n-tiles" are the hi and lo halves of
 // the split, two MMAs into the one accumulator d[i][0] (the hi + lo sum needs no FADD, and the accumulators are half
-// as many): d[i][0] holds (column 2i, rows 2t, 2t + 1), (column 2i + 1, the same).
+// as many): d[i][0] holds (column 2i, query rows 2t, 2t + 1), (column 2i + 1, the same).
 template <int BITS, int NT, int CPL, bool KDUP = false>
 __device__ __forceinline__ void kstep_compute_paired(const LaneCodes<BITS, CPL> (&lc)[4], uint32_t s01, uint32_t s23,
                                                      uint32_t z01, uint32_t z23, const uint2* __restrict__ frag,
