@@ -617,14 +617,16 @@ KNOWN_OVER: dict[tuple, float] = {
     # causal limit without a caller's mask (every step of a q_len-1 decode) run a loop of their own without the masking
     # code (the other steps: the `masked steps` rows, not gated, ~ the numbers before): innerq_base / innerq_small /
     # innerq_hybrid at 8 rows and head_dim 128 -> 9.6 / 9.3 / 9.4, within the budget; at 64 10.6 / 11.2 / 11.3; 4
-    # rows at head_dim 128 keep one loop (two spilled at 168 registers).
-    ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.5,
-    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.6,
-    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.8,
-    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 10.6,
-    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 11.2,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 11.3,
-    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 15.4,
+    # rows at head_dim 128 keep one loop (two spilled at 168 registers). A later session that day: p = exp2(s - m)
+    # against 0 where a row has seen nothing (every score -inf), not a select per score (a zeroing move before each
+    # predicated ex2): -0.1 to -0.3 on these rows.
+    ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.4,
+    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.5,
+    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.7,
+    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 10.5,
+    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 11.1,
+    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 11.2,
+    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 15.2,
     # the KIVI tiles (kivi_tiles_kernel): the dequantization is 2 instructions per value pair more than the InnerQ
     # tiles' decode (a PRMT gathers two rows' codes, an HFMA2 applies s u + z before the MMA). Until 2026-11-29 every
     # k-step also loaded its 4 rows' scales and zeros one 2-byte load at a time (~3 instructions of address each, a
@@ -637,12 +639,16 @@ KNOWN_OVER: dict[tuple, float] = {
     # and 8 rows took the InnerQ tiles' k-split MMAs (B's columns the 8 rows, hi / lo two MMAs into one accumulator: no
     # FADD of the halves, half the accumulators to rescale): kivi2 at head_dim 64 x 8 rows 11.1 -> 10.3, at 128 9.0 ->
     # 8.5, the 1-bit rows at 8 rows 13.3 / 16.4 -> 12.6 / 15.2; 1 bit at head_dim 64 x 4 rows went 13.1 -> 13.3 (-24
-    # instructions of split, +39 of addresses that ptxas now recomputes in the loop: strides and row offsets).
-    ("attn_kivi", 2, "asym", 2, "asym", 8, 64, "steady state"): 10.3,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.4,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 12.6,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 13.3,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 15.2,
+    # instructions of split, +39 of addresses that ptxas now recomputes in the loop: strides and row offsets). Then
+    # each of a thread's 4 code rows (keys, values) and its key scale / zero rows became a pointer of its own, moved on
+    # by one 64-bit add per k-step (`launder`: ptxas had re-derived every load's address from one base, a multiply and
+    # a 64-bit add), and the softmax's p no longer selects per score (above): kivi2 at head_dim 64 x 8 rows 986 -> 954
+    # instructions a step, 10.3 -> 9.9, within the budget; 1 bit 11.3 / 12.5 / 13.3 / 15.1 -> 11.0 / 12.1 / 12.2 /
+    # 14.6.
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.0,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 12.2,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.3,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 14.7,
     # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
     # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
     # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2

@@ -665,6 +665,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
       const float kl = masked ? kLog2e : us[nt] * kLog2e;  // (a register a row less than keeping it: spills at 168)
       if (seen) alpha = exp2f((rows.m_run[nt] - m_new) * kl);
+      // a row with nothing seen has every score -inf: against 0 instead of m = -inf each p is exp2(-inf) = 0, with no
+      // select a score (and no zeroing move before each predicated ex2)
+      const float m_use = seen ? m_new : 0.f;
       float sum = 0.f;  // of p * 2^14, as l_run
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
@@ -673,7 +676,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
         for (int mt = 2 * kb; mt < 2 * kb + 2; ++mt)
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const float pj = seen ? exp2f(fmaf(sc[nt][mt][i] - m_new, kl, kPScaleLog2)) : 0.f;  // p * 2^14
+            const float pj = exp2f(fmaf(sc[nt][mt][i] - m_use, kl, kPScaleLog2));  // p * 2^14
             bsum += pj;
             ps[score_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
           }
@@ -930,6 +933,7 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   const AttnStore& V = p.values;
   const uint32_t kcs = row_bytes(K.c_sr, 4), kss = row_bytes(K.s_sr, 2), kzs = row_bytes(K.z_sr, 2);
   const uint32_t vcs = row_bytes(V.c_sr, 4), vss = row_bytes(V.s_sr, 2), vzs = row_bytes(V.z_sr, 2);
+  const uint32_t kcs16 = 16u * kcs, vcs16 = 16u * vcs;  // a k-step's 16 rows
   const LaneSlot kslot = lane_slot<KB>(KCPL * g), vslot = lane_slot<VB>(VCPL * g);
   LaneSel ksel, vsel;
 #pragma unroll
@@ -971,6 +975,12 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
     // the step's word offset goes into the row base once, so each load below is one IMAD.WIDE with a literal row
     // (base + (16 ks + j) * stride + kw would cost a 64-bit add per load after it)
     const uint32_t* const kc_s = kc_t + kw;
+    // the thread's 4 rows of the first k-step; each row's pointer then moves on by 16 rows per k-step, one 64-bit add
+    // (laundered: else ptxas re-derives each load's address from kc_s, a multiply and a 64-bit add)
+    const uint32_t* kr[4];
+    kr[0] = kc_s;
+#pragma unroll
+    for (int j = 1; j < 4; ++j) kr[j] = launder(offset_rows(kr[j - 1], 1u, kcs));
     float d[KCPL / 2][ND][4];
 #pragma unroll
     for (int i = 0; i < KCPL / 2; ++i)
@@ -985,17 +995,23 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
           prefetch_l2(offset_rows(kc_s + TOK * kWarps / 32 * KB, (g & 3) + 16u * (g >> 2) + 32u * i, kcs));
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) load_lane<KB, KCPL, false>(lc[j], offset_rows(kc_s, 16u * ks + j, kcs), nullptr);
+      for (int j = 0; j < 4; ++j) {
+        load_lane<KB, KCPL, false>(lc[j], kr[j], nullptr);
+        if (ks + 1 < KS) kr[j] = launder(offset_rows(kr[j], 1u, kcs16));
+      }
       if (ks == 0) {  // after the first k-step's code loads are issued: the keys' table (see Addressing)
 #pragma unroll
         for (int m = 0; m < KITEMS; ++m) {
           const int half = (lane + 32 * m) / (D / 4);
           const uint32_t grp = block_group(static_cast<uint32_t>(f0 / 32) + half, L.v_bpg_magic);
-          const uint16_t* const sq = ks_q + grp;
-          const uint16_t* const zq = kz_q + grp;
+          const uint16_t* sq = ks_q + grp;  // row by row, one 64-bit add each (as kr)
+          const uint16_t* zq = kz_q + grp;
           uint16_t sk[4], zk[4];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) sk[j] = __ldg(offset_rows(sq, j, kss)), zk[j] = __ldg(offset_rows(zq, j, kzs));
+          for (int j = 0; j < 4; ++j) {
+            sk[j] = __ldg(sq), zk[j] = __ldg(zq);
+            if (j < 3) sq = launder(offset_rows(sq, 1u, kss)), zq = launder(offset_rows(zq, 1u, kzs));
+          }
           kaff[half * (D / 4) + kq] = make_uint4(pack_half2(sk[0], sk[1]), pack_half2(sk[2], sk[3]),
                                                  pack_half2(zk[0], zk[1]), pack_half2(zk[2], zk[3]));
         }
@@ -1026,13 +1042,13 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
       const StepMax sm =
           step_max<KCPL, kMasks>(sc[nt], rows, nt, S + f0, static_cast<int>(f0 - lo), 0, tok_of, us[nt], kl);
       const float m_new = sm.m_new, alpha = sm.alpha;
-      const bool seen = sm.seen;
-      float pj[KCPL], sum = 0.f;  // p * 2^14
+      const float m_use = sm.seen ? m_new : 0.f;  // (as the store tiles': p = 0 without a select where nothing is seen)
+      float pj[KCPL];  // p * 2^14
 #pragma unroll
-      for (int j = 0; j < KCPL; ++j) {
-        pj[j] = seen ? exp2f(fmaf(sc[nt][j] - m_new, kl, kPScaleLog2)) : 0.f;
-        sum += pj[j];
-      }
+      for (int j = 0; j < KCPL; ++j) pj[j] = exp2f(fmaf(sc[nt][j] - m_use, kl, kPScaleLog2));
+      float sum = pj[0];
+#pragma unroll
+      for (int j = 1; j < KCPL; ++j) sum += pj[j];
       // split here, once per pair of p (read back, the hi lane and the lo lane that take it would each split it)
       uint2 sp[KCPL / 2];
 #pragma unroll
@@ -1068,6 +1084,10 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
     // ---- P.V: value rows f0 + 16 vs + 4t + j at the lane's channels ---------------------------------------------
     const uint32_t row0 = static_cast<uint32_t>(f0) + 4u * t;
     const uint32_t* const vc_s = offset_rows(vc_b, row0, vcs);  // the step's rows, as the keys' columns above
+    const uint32_t* vr[4];  // (as kr)
+    vr[0] = vc_s;
+#pragma unroll
+    for (int j = 1; j < 4; ++j) vr[j] = launder(offset_rows(vr[j - 1], 1u, vcs));
     const uint16_t* const vs_r = offset_rows(vs_b, static_cast<uint32_t>(f0) + 2u * lane, vss);  // the lane's 2 rows
     const uint16_t* const vz_r = offset_rows(vz_b, static_cast<uint32_t>(f0) + 2u * lane, vzs);
 #pragma unroll
@@ -1083,7 +1103,10 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
         }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) load_lane<VB, VCPL, false>(lc[j], offset_rows(vc_s, 16u * vs + j, vcs), nullptr);
+      for (int j = 0; j < 4; ++j) {
+        load_lane<VB, VCPL, false>(lc[j], vr[j], nullptr);
+        if (vs + 1 < VS) vr[j] = launder(offset_rows(vr[j], 1u, vcs16));
+      }
       if (vs == 0) {  // the values' table, after the first k-step's code loads (the previous step's reads of it came
                       // before this step's softmax __syncwarp)
         const uint16_t* const vs_r1 = offset_rows(vs_r, 1u, vss);

@@ -126,18 +126,6 @@ __device__ void build_table(const float* __restrict__ grid, uint32_t* tab) {
   }
 }
 
-// The same pointer, opaque to the optimizer (keeps per-row pointers as separate induction variables).
-template <typename T>
-__device__ __forceinline__ const T* launder(const T* p) {
-#if defined(__CUDA_ARCH__)
-  uint64_t v;
-  asm("mov.b64 %0, %1;" : "=l"(v) : "l"(reinterpret_cast<uint64_t>(p)));
-  return reinterpret_cast<const T*>(v);
-#else
-  return p;
-#endif
-}
-
 // A read-only element of the codes or norms: from global memory through the non-coherent cache, or (SMEM) from a ring
 // slot in shared memory.
 template <bool SMEM, typename T>

@@ -84,6 +84,20 @@ KVK_HD const T* offset_rows(const T* base, uint32_t j, uint32_t stride_bytes) {
 #endif
 }
 
+// The same pointer, opaque to the optimizer: keeps per-row pointers as separate induction variables, each moved on by
+// one 64-bit add (ptxas otherwise re-derives each row's address from a common base: with a literal row, a multiply
+// and a 64-bit add per address).
+template <typename T>
+KVK_HD const T* launder(const T* p) {
+#if defined(__CUDA_ARCH__)
+  uint64_t v;
+  asm("mov.b64 %0, %1;" : "=l"(v) : "l"(reinterpret_cast<uint64_t>(p)));
+  return reinterpret_cast<const T*>(v);
+#else
+  return p;
+#endif
+}
+
 // ---- fp16 on raw bits -----------------------------------------------------------------------------------------------
 // IEEE binary16 bits of a double, round to nearest even (exact for every value the kernels feed it on the host: a
 // product of two fp16 plus an fp16, which a double holds exactly, rounded once, as fma.rn.f16x2 does).

@@ -828,7 +828,9 @@ void decode_cases() {
 // strided view of a larger buffer (rows padded, stores narrowed from a larger capacity), the mask broadcast over the
 // batch (stride 0). Checked at (4e-6 + 1e-6 * max_j sum_c |x k|) * sum_j p_j |v_j| + 1e-7 per output (fp32 scores,
 // expf and accumulation order; the scores' error enters the probabilities relatively).
-// mask_kind: 0 causal (null), 1 additive with -inf entries, 2 additive with a row of all finfo.min.
+// mask_kind: 0 causal (null), 1 additive with -inf entries, 2 additive with a row of all finfo.min, 3 as 1 with a row
+// (head 0, query 0) -inf over the sink and the first half of the key store: a warp's first steps in which a live row
+// sees nothing, then steps in which it does.
 // expect != cudaSuccess: the launcher must refuse with a message and write nothing.
 struct AttnCase {
   int64_t B = 2, H_q = 2, H_kv = 2, T = 1;
@@ -1020,9 +1022,11 @@ void attn_case(const AttnCase& a) {
     for (int64_t t = 0; t < T; ++t) {
       float* row = mask.p + h * m_sh + t * m_st;
       const bool all_min = a.mask_kind == 2 && h == H_q - 1 && t == 0;
+      const bool late = a.mask_kind == 3 && h == 0 && t == 0;
       for (int64_t j = 0; j < m_st; ++j) {
         const int r = rng() % 4;
         row[j] = all_min ? -std::numeric_limits<float>::max() : r == 0 ? -INFINITY : r == 1 ? -0.5f * std::fabs(frand()) : 0.f;
+        if (late && j < a.S + a.mk / 2) row[j] = -INFINITY;
         if (dev && j >= N) row[j] = NAN;
       }
       if (!all_min) row[rng() % N] = 0.f;  // at least one finite score per row
@@ -1318,6 +1322,19 @@ void attn_cases() {
   { AttnCase a; a.kivi_tiles = true; a.D = 128; a.G = 128; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 2; a.mk = 640; a.mv = 660; a.ntk = 40; a.H_q = 7; a.H_kv = 1;
     a.split_tokens = 512; attn_case(a); }              // one value group per token row; a warp's tables reused
+  // a row that sees nothing in a warp's first steps and something in its later ones (mask_kind 3, splits of 8 steps
+  // for 4 warps): its p must be 0 in the first, not exp2(-inf - -inf) = NaN, which its running sum would carry (the
+  // tiles' softmax subtracts 0 where nothing is seen). KIVI tiles at 8 and 4 rows, the InnerQ tiles at 4 and 8.
+  { AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 0; a.mk = 640; a.mv = 640; a.ntk = 6; a.H_q = 8; a.H_kv = 1;
+    a.B = 1; a.mask_kind = 3; a.split_tokens = 512; attn_case(a); }
+  { AttnCase a; a.kivi_tiles = true; a.D = 128; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym;
+    a.klay = SL::kCols; a.vlay = SL::kRows; a.S = 2; a.mk = 640; a.mv = 644; a.ntk = 5; a.H_q = 4; a.H_kv = 2;
+    a.B = 1; a.mask_kind = 3; a.split_tokens = 512; attn_case(a); }
+  { AttnCase a; a.aligned = true; a.D = 128; a.kbits = a.vbits = 3; a.S = 1; a.mk = 640; a.mv = 640; a.ntk = 4;
+    a.H_q = 4; a.H_kv = 1; a.B = 1; a.mask_kind = 3; a.split_tokens = 512; attn_case(a); }
+  { AttnCase a; a.aligned = true; a.D = 64; a.kbits = 3; a.vbits = 2; a.H_q = 8; a.H_kv = 1; a.S = 0; a.mk = 640;
+    a.mv = 640; a.ntk = 3; a.B = 1; a.mask_kind = 3; a.split_tokens = 512; attn_case(a); }
   for (int64_t k : {0, 200}) {  // a NaN key group (channel 0): tokens k .. in the tiles, rows NaN
     AttnCase a; a.kivi_tiles = true; a.D = 64; a.kbits = a.vbits = 2; a.kmode = a.vmode = QM::kAsym;
     a.klay = SL::kCols; a.vlay = SL::kRows; a.mk = 320; a.mv = 320; a.ntk = 4; a.H_q = 4; a.H_kv = 2;
