@@ -223,7 +223,7 @@ __device__ __forceinline__ uint32_t row_bytes(int64_t stride, uint32_t elem) {
   return static_cast<uint32_t>(stride) * elem;
 }
 
-// A thread's score rows (score_row): the caller's mask row or the causal limit, and the online softmax's running max
+// A thread's score rows (slot_row): the caller's mask row or the causal limit, and the online softmax's running max
 // and sum (m = -inf, l = 0 until a finite score is seen). The limit is the row's last visible store token counted from
 // the split's first (lo), clamped to [-1, 2^30] (F < 2^30: store_tiles_supported's 32-bit row offsets), -1 for a row
 // past nr: a step at offset f0 - lo sees step token k while k <= limit - (f0 - lo), one 32-bit subtraction a step.
@@ -238,8 +238,6 @@ struct ScoreRows {
   __device__ __forceinline__ int limit_of(int nt) const { return limit[nt]; }
 };
 
-// Row of n-tile slot nt of thread t: 4 nt + t, or with the k-split MMAs (kKDup) 2 t + nt.
-__device__ __forceinline__ int score_row(bool kdup, int nt, int t) { return kdup ? 2 * t + nt : 4 * nt + t; }
 
 template <int NT, bool KDUP = false>
 __device__ __forceinline__ ScoreRows<NT> score_rows(const DecodeAttentionParams& p, const StoreTilesLaunch& L,
@@ -248,7 +246,7 @@ __device__ __forceinline__ ScoreRows<NT> score_rows(const DecodeAttentionParams&
   const int64_t T = p.T;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int r = score_row(KDUP, nt, t), q = c.r0 + min(r, c.nr - 1);
+    const int r = slot_row(KDUP, nt, t), q = c.r0 + min(r, c.nr - 1);
     const int64_t h = c.hk * L.gq + q / T, tq = q % T;
     rows.live[nt] = r < c.nr;
     rows.mrow[nt] = p.mask != nullptr ? p.mask + c.b * p.m_sb + h * p.m_sh + tq * p.m_st : nullptr;
@@ -289,8 +287,8 @@ struct StepMax {
 };
 
 // Masks row nt's scores of one warp step (kMasks), s[j] for the step token lane_tok + tok(j) (tok(j) a compile-time
-// offset; attention token first + the step token, the step's offset in the split step_off), and takes the row's max over the quad's 8 lanes
-// (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and stay there, or with a
+// offset; attention token first + the step token, the step's offset in the split step_off), and takes the row's max
+// over the quad's 8 lanes (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and stay there, or with a
 // caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running scores (the KIVI
 // tiles; the InnerQ tiles write the same steps out, store_tiles_kernel).
 template <int NS, bool kMasks, int NT, typename TokenOf>
@@ -469,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     __syncthreads();
   }
   // the key MMAs' B fragments (warp 0 writes them all, the barrier below publishes them), the zero-term sums and 2^-e
-  // of this thread's rows (score_row)
+  // of this thread's rows (slot_row)
   float xsr[NT][NB], us[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -477,14 +475,14 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     for (int cb = 0; cb < NB; ++cb) {
       if (warp == 0) {
         float v[8];  // (kKDup: slot nt holds part nt of row g)
-        const float* src = qs + (kKDup ? g : 4 * nt + (g >> 1)) * D + 32 * cb + 8 * t;
+        const float* src = qs + b_col_row(kKDup, nt, g) * D + 32 * cb + 8 * t;
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = src[i];
         qf[(nt * NB + cb) * 32 + lane] = b_fragment(v, kKDup ? static_cast<float>(nt) : part);
       }
-      xsr[nt][cb] = kKZero ? xsum_s[score_row(kKDup, nt, t) * NB + cb] : 0.f;
+      xsr[nt][cb] = kKZero ? xsum_s[slot_row(kKDup, nt, t) * NB + cb] : 0.f;
     }
-    us[nt] = unscale_s[score_row(kKDup, nt, t)];
+    us[nt] = unscale_s[slot_row(kKDup, nt, t)];
   }
   __syncthreads();
   const uint4* const qfl = qf + lane;
@@ -678,7 +676,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
           for (int i = 0; i < 2; ++i) {
             const float pj = exp2f(fmaf(sc[nt][mt][i] - m_use, kl, kPScaleLog2));  // p * 2^14
             bsum += pj;
-            ps[score_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
+            ps[slot_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
           }
         if (kVZero || kb == KT - 1) {  // one butterfly for the row's sum; one per block where the values need it
           const float v = kVZero ? bsum : sum + bsum;
@@ -708,7 +706,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
-        const float* src = ps + (kKDup ? g : 4 * nt + (g >> 1)) * TOK + 32 * kb + 8 * t;
+        const float* src = ps + b_col_row(kKDup, nt, g) * TOK + 32 * kb + 8 * t;
         const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
         const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
         const float pt = kKDup ? static_cast<float>(nt) : part;
@@ -802,7 +800,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   __syncwarp();  // the loop's last reads of the affine table, in the slice of om written here
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int r = score_row(kKDup, nt, t);
+    const int r = slot_row(kKDup, nt, t);
     float* dst = om + (warp * QR + r) * D;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) dst[16 * mt + g] = o[nt][mt][0], dst[16 * mt + g + 8] = o[nt][mt][1];
@@ -821,7 +819,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 // pairs of the thread's rows 4t .. 4t + 3. Per warp step of 64 tokens:
 //   scores  the key store's rows are channels: D / 16 k-steps; lane g owns tokens 8g .. 8g + 7 of the step (8 columns,
 //           4 m-tiles); B = q' staged once per CTA as fragments [NT][D / 16][32 lanes]. Thread (g, t) gets the scores of
-//           query row score_row(nt, t) for its 8 tokens: 4 nt + t, B's columns 4 rows x (hi, lo); with 8 rows (kKDup)
+//           query row slot_row(nt, t) for its 8 tokens: 4 nt + t, B's columns 4 rows x (hi, lo); with 8 rows (kKDup)
 //           2t + nt, B's columns the 8 rows and the fragments' two "n-tiles" the hi and lo halves, two MMAs into one
 //           accumulator (kstep_compute_paired's KDUP).
 //   softmax as the InnerQ tiles (3 shuffles for a row's max and sum); p * 2^14, split into its fp16 hi and lo halves
@@ -908,13 +906,13 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   __syncthreads();
   for (int i = tid; i < NT * KS * 32; i += kThreads) {
     const int ln = i % 32, ks = (i / 32) % KS, nt = i / (32 * KS), lg = ln >> 2;
-    const float* src = om + (kKDup ? lg : 4 * nt + (lg >> 1)) * D + 16 * ks + 4 * (ln & 3);
-    const float pl = static_cast<float>(kKDup ? nt : lg & 1);
+    const float* src = om + b_col_row(kKDup, nt, lg) * D + 16 * ks + 4 * (ln & 3);
+    const float pl = static_cast<float>(b_col_lo(kKDup, nt, lg));
     qf[i] = make_uint2(split_pair(src[0], src[1], pl), split_pair(src[2], src[3], pl));
   }
   float us[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) us[nt] = unscale_s[score_row(kKDup, nt, t)];
+  for (int nt = 0; nt < NT; ++nt) us[nt] = unscale_s[slot_row(kKDup, nt, t)];
   __syncthreads();
 
   // ---- the warp's score rows: mask pointers or causal limits, running max and sum ---------------------------------
@@ -1053,7 +1051,7 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
       uint2 sp[KCPL / 2];
 #pragma unroll
       for (int j = 0; j < KCPL / 2; ++j) sp[j] = split_pairs(pj[2 * j], pj[2 * j + 1]);
-      uint16_t* const dst = ps + score_row(kKDup, nt, t) * kKiviPs + KCPL * g;
+      uint16_t* const dst = ps + slot_row(kKDup, nt, t) * kKiviPs + KCPL * g;
       *reinterpret_cast<uint4*>(dst) = make_uint4(sp[0].x, sp[1].x, sp[2].x, sp[3].x);
       *reinterpret_cast<uint4*>(dst + kLo) = make_uint4(sp[0].y, sp[1].y, sp[2].y, sp[3].y);
       sum += __shfl_xor_sync(0xffffffffu, sum, 4);
@@ -1130,7 +1128,7 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
   // ---- merge the warps' partials and write the split's slot of the workspace --------------------------------------
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int r = score_row(kKDup, nt, t);
+    const int r = slot_row(kKDup, nt, t);
     float* dst = om + (warp * QR + r) * D + VCPL * g;
 #pragma unroll
     for (int i = 0; i < VCPL / 2; ++i) {

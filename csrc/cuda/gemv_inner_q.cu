@@ -142,8 +142,9 @@ __device__ __forceinline__ void gather_chunk(const ChunkWords<BITS, VEC>& c, int
 // sym decodes to the signed levels u - 2^(b-1) (decode_offset, no zero term); asym and hybrid decode u and add
 // zeff * sum(x): in the main loop as one "zero MMA" per chunk (zero_mma below), in the tail per block in fp32 (ZFOLD).
 //
-// Query slots: thread t's results are for query row slot_row(nt, t) of the pass. 4 rows (NT = 1): B's 8 columns are
-// the 4 rows x (hi, lo) and a fold adds the two (d[0] + d[1]). 8 rows (NT = 2, kdup): B's columns are the 8 rows and
+// Query slots: thread t's results are for query row slot_row(nt, t) (mma.cuh) of the pass. 4 rows (NT = 1): B's 8
+// columns are the 4 rows x (hi, lo) and a fold adds the two (d[0] + d[1]). 8 rows (NT = 2, kdup): B's columns are the
+// 8 rows and
 // the hi / lo halves of the split are two more k-steps into the same accumulator (4 MMAs a block, as two n-tiles
 // take, and no FADD per fold): d = (row g: query rows 2t, 2t + 1; row g + 8: the same), and the "n-tiles" of the
 // fragments (frag_nt_stride apart) are the hi and the lo halves of all 8 rows.
@@ -151,7 +152,6 @@ template <int NT>
 __host__ __device__ constexpr bool kdup() {
   return NT == 2;
 }
-__host__ __device__ constexpr int slot_row(bool kd, int nt, int t) { return kd ? 2 * t + nt : 4 * nt + t; }
 
 template <int BITS, QuantMode MODE, int NT, bool ZFOLD>
 __device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb, uint32_t Xhb, uint16_t sa,
@@ -656,8 +656,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
 #pragma unroll 2  // two tasks' 8 loads each in flight together
     for (int task = warp; task < NT * nblk; task += nwarps) {
       const int nt = task / nblk, blk = task - nt * nblk;
-      const int q = kKDup ? g : 4 * nt + (g >> 1);
-      const bool lo_part = kKDup ? nt != 0 : (g & 1) != 0;
+      const int q = b_col_row(kKDup, nt, g);
+      const bool lo_part = b_col_lo(kKDup, nt, g);
       const float scale = exp2i(scale_exponent(__uint_as_float(amax[q])));
       const int64_t xoff = xoff_of(q);
       uint16_t hv[8];
@@ -683,8 +683,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
 #pragma unroll 1
       for (int task = warp; task < NT * nchunks; task += nwarps) {
         const int nt = task / nchunks, c = task - nt * nchunks;
-        const int q = kKDup ? g : 4 * nt + (g >> 1);
-        const bool lo_part = kKDup ? nt != 0 : (g & 1) != 0;
+        const int q = b_col_row(kKDup, nt, g);
+        const bool lo_part = b_col_lo(kKDup, nt, g);
         uint2 f = make_uint2(0u, 0u);
         if (t < 2) {
           const float* xs = xsum + q * nblk + c * kChunkBlocks + 2 * t;

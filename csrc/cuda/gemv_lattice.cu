@@ -409,8 +409,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
     float* outq[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int q = kKDup ? g : 4 * nt + (g >> 1);
-      const bool lo_part = kKDup ? nt != 0 : (g & 1) != 0;
+      const int q = b_col_row(kKDup, nt, g);
+      const bool lo_part = b_col_lo(kKDup, nt, g);
       const float sc = exp2i(scale_exponent(amax[q]));
       const float* row = qbuf + q * DIM;
 #pragma unroll
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) gemv_lattice_k_kernel
           }
         }
       // this thread's results: query row 4 nt + t of the pass (kKDup: 2t + nt)
-      const int qo = kKDup ? 2 * t + nt : 4 * nt + t, qg = q0 + qo;
+      const int qo = slot_row(kKDup, nt, t), qg = q0 + qo;
       usq[nt] = exp2i(-scale_exponent(amax[qo]));
       outq[nt] = qg < k.qb ? k.out.base + b * k.out.sb + (hkv * k.gq + qg / k.tc) * k.out.sh + (qg % k.tc) * k.out.st
                            : nullptr;

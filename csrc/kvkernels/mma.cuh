@@ -98,6 +98,15 @@ KVK_HD const T* launder(const T* p) {
 #endif
 }
 
+// ---- query rows on the MMAs' n side ---------------------------------------------------------------------------------
+// B's 8 columns hold 4 query rows x (hi, lo) of the activations' fp16 split per n-tile; with 8 query rows (kdup) they
+// hold the 8 rows, and the n-tile index is the half (two MMAs into one accumulator: no FADD of hi and lo). Column g of
+// n-tile nt takes query row b_col_row and its lo half where b_col_lo; accumulator slot nt of thread t (C's columns
+// 2t, 2t + 1, hi and lo or two rows) is query row slot_row.
+KVK_HD constexpr int b_col_row(bool kdup, int nt, int g) { return kdup ? g : 4 * nt + (g >> 1); }
+KVK_HD constexpr bool b_col_lo(bool kdup, int nt, int g) { return kdup ? nt != 0 : (g & 1) != 0; }
+KVK_HD constexpr int slot_row(bool kdup, int nt, int t) { return kdup ? 2 * t + nt : 4 * nt + t; }
+
 // ---- fp16 on raw bits -----------------------------------------------------------------------------------------------
 // IEEE binary16 bits of a double, round to nearest even (exact for every value the kernels feed it on the host: a
 // product of two fp16 plus an fp16, which a double holds exactly, rounded once, as fma.rn.f16x2 does).
