@@ -288,9 +288,9 @@ struct StepMax {
 
 // Masks row nt's scores of one warp step (kMasks), s[j] for the step token lane_tok + tok(j) (tok(j) a compile-time
 // offset; attention token first + the step token, the step's offset in the split step_off), and takes the row's max
-// over the quad's 8 lanes (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and stay there, or with a
-// caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running scores (the KIVI
-// tiles; the InnerQ tiles write the same steps out, store_tiles_kernel).
+// over the quad's 8 lanes (3 shuffles) into its running max. The scores come in q' units (score * 2^e, us = 2^-e) and
+// stay there, or with a caller's mask go to score units (the mask added there); kl is log2(e) per unit of the running
+// scores (the KIVI tiles; the InnerQ tiles write the same steps out, store_tiles_kernel).
 template <int NS, bool kMasks, int NT, typename TokenOf>
 __device__ __forceinline__ StepMax step_max(float* s, const ScoreRows<NT>& rows, int nt, int64_t first, int step_off,
                                             int lane_tok, const TokenOf& tok, float us, float kl) {
