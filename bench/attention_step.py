@@ -2,11 +2,13 @@
 in the same run.
 
     python bench/attention_step.py [--device cpu|cuda] [--tokens 1024 4096 ...] [--batch 1 8] [--presets ...]
-                                   [--q-len 1] [--query-heads 32] [--no-steps | --steps-tokens 32768 ...]
+                                   [--q-len 1] [--query-heads 32] [--head-dim 128]
+                                   [--no-steps | --steps-tokens 32768 ...]
                                    [--json out.json]
 
 Shape: Llama-3.1-8B's attention layer (32 query heads on 8 KV heads, head_dim 128; --query-heads 64 makes it GQA 8, as
-Llama-3-70B's layers, whose fused tiles run 8 query rows a CTA), a cache prefilled with N random
+Llama-3-70B's layers, whose fused tiles run 8 query rows a CTA; --head-dim 64 gives Llama-3.2-1B's shape, whose tiles
+have their own instantiations), a cache prefilled with N random
 tokens (the quantized formats' windows as their presets set them). Rows per (preset, batch, N):
   sdpa fp16   torch SDPA (enable_gqa) over the same N tokens as one fp16 K/V tensor: what an fp16 cache costs
   composed    kvkernels.decode_attention(fused_op=False): window matmuls + the two quantized GEMVs + softmax, ~8-10 ops
@@ -57,7 +59,7 @@ from kvkernels.attention import decode_attention
 from kvkernels.formats import PRESETS, make_layer_cache
 from kvkernels.static_cache import StaticLayerCache
 
-H_Q, H_KV, D = 32, 8, 128
+H_Q, H_KV, D = 32, 8, 128  # (D: --head-dim sets it for the run)
 STEP_COUNT = 64  # decode steps per timing of the whole-step rows
 
 
@@ -268,6 +270,7 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    global D
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, nargs="+", default=None)
@@ -276,6 +279,8 @@ def main(argv=None) -> int:
     p.add_argument("--q-len", type=int, default=1)
     p.add_argument("--query-heads", type=int, default=H_Q,
                    help=f"query heads on the {H_KV} KV heads (64: GQA 8, the fused tiles' 8-row kernels)")  # fmt: skip
+    p.add_argument("--head-dim", type=int, default=D, choices=[64, 128],
+                   help="head_dim of the layer (64: Llama-3.2-1B's; the fused tiles' head_dim-64 kernels)")  # fmt: skip
     p.add_argument("--json", default=None)
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-decode-step rows")
     p.add_argument("--steps-tokens", type=int, nargs="+", default=None,
@@ -285,6 +290,7 @@ def main(argv=None) -> int:
         args.tokens = [1024, 4096, 16384, 65536, 131072] if args.device.startswith("cuda") else [1024, 4096]
     if args.query_heads < H_KV or args.query_heads % H_KV:
         p.error(f"--query-heads must be a positive multiple of the {H_KV} KV heads, got {args.query_heads}")
+    D = args.head_dim  # the shape every function of this module builds its tensors with
     unknown = [name for name in args.presets if name not in PRESETS]
     if unknown:
         p.error(f"unknown preset(s) {unknown}")

@@ -619,14 +619,17 @@ KNOWN_OVER: dict[tuple, float] = {
     # innerq_hybrid at 8 rows and head_dim 128 -> 9.6 / 9.3 / 9.4, within the budget; at 64 10.6 / 11.2 / 11.3; 4
     # rows at head_dim 128 keep one loop (two spilled at 168 registers). A later session that day: p = exp2(s - m)
     # against 0 where a row has seen nothing (every score -inf), not a select per score (a zeroing move before each
-    # predicated ex2): -0.1 to -0.3 on these rows.
+    # predicated ex2): -0.1 to -0.3 on these rows. 2026-11-29 (later): at 8 rows each lane splits its p pairs once
+    # into both halves (split_pairs; b_fragment had split every pair twice, once per half, the hi half's "lo" work
+    # included), the visible-steps softmax is one FFMA a score (ex2(s kl + (14 - m kl))), and at head_dim 64 x 8 rows
+    # every row a thread loads from is a laundered pointer of its own (kRowPtrs: ptxas had re-derived the slice bases
+    # and each row's address every step, ~110 instructions): innerq_base / innerq_small / innerq_hybrid there 10.5 /
+    # 11.1 / 11.2 -> 9.9 / 9.7 / 9.8, within the budget; at head_dim 128 x 8 rows 9.5 / 9.3 / 9.4 -> 9.2 / 9.0 / 9.1;
+    # 1 bit 15.1 / 13.6 / 12.5 (8 x 64, 8 x 128, 4 x 64) -> 13.9 / 13.1 / 12.2.
     ("attn_store", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.4,
-    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.5,
-    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.7,
-    ("attn_store", 3, "sym", 3, "sym", 8, 64, "steady state"): 10.5,
-    ("attn_store", 3, "sym", 2, "sym", 8, 64, "steady state"): 11.1,
-    ("attn_store", 3, "sym", 2, "hybrid", 8, 64, "steady state"): 11.2,
-    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 15.2,
+    ("attn_store", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.3,
+    ("attn_store", 1, "asym", 1, "asym", 8, 128, "steady state"): 13.2,
+    ("attn_store", 1, "asym", 1, "asym", 8, 64, "steady state"): 14.0,
     # the KIVI tiles (kivi_tiles_kernel): the dequantization is 2 instructions per value pair more than the InnerQ
     # tiles' decode (a PRMT gathers two rows' codes, an HFMA2 applies s u + z before the MMA). Until 2026-11-29 every
     # k-step also loaded its 4 rows' scales and zeros one 2-byte load at a time (~3 instructions of address each, a
@@ -644,11 +647,12 @@ KNOWN_OVER: dict[tuple, float] = {
     # by one 64-bit add per k-step (`launder`: ptxas had re-derived every load's address from one base, a multiply and
     # a 64-bit add), and the softmax's p no longer selects per score (above): kivi2 at head_dim 64 x 8 rows 986 -> 954
     # instructions a step, 10.3 -> 9.9, within the budget; 1 bit 11.3 / 12.5 / 13.3 / 15.1 -> 11.0 / 12.1 / 12.2 /
-    # 14.6.
+    # 14.6. The visible-steps softmax's one FFMA a score (above): -4 to -13 instructions a step, 1 bit 14.6 -> 14.5 at
+    # head_dim 64 x 8 rows.
     ("attn_kivi", 1, "asym", 1, "asym", 4, 128, "steady state"): 11.0,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 12.2,
-    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.3,
-    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 14.7,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 128, "steady state"): 12.1,
+    ("attn_kivi", 1, "asym", 1, "asym", 4, 64, "steady state"): 12.2,
+    ("attn_kivi", 1, "asym", 1, "asym", 8, 64, "steady state"): 14.5,
     # Lattice (family, grid, query rows, D or channels per warp, G (keys), norms in B (values), loop). At head_dim 64
     # a keys tile / values k-step has half the bytes of head_dim 128 while its fixed work stays (row pointers, loop,
     # norms, the 16-token output stores), and 8 query rows double the MMAs (HMMA 4 per 16x16 tile of codes at 2

@@ -13,7 +13,8 @@
 //           folded with the token's group scale (and zeff * sum(q') for asym / hybrid keys), as gemv_inner_q does.
 //   softmax thread (g, t) holds tokens g, g + 8, 16 + g, 24 + g of query row t (4 rows; rows 2t, 2t + 1 with 8):
 //           the row's max and sum over the tile are 3 shuffles each; p * 2^14 = ex2((S - m) 2^-e log2(e) + 14) in fp32
-//           on the scores in q' units (score_rows, the kernel's softmax).
+//           on the scores in q' units (score_rows, the kernel's softmax; steps without masks: ex2(S k + (14 - m k)),
+//           k = 2^-e log2(e), one FFMA a score).
 //   P.V     A = 16 channels x 16 tokens of the value store (the packed block of a channel is 32 tokens, so one tile is
 //           one block and one group per channel), B = p * 2^14 as hi / lo pairs, staged through shared memory into
 //           the B fragment's token order; the fp32 result is folded with the channel's group scale (and zeff * sum(p)).
@@ -112,7 +113,8 @@ __device__ __forceinline__ std::conditional_t<kZero, float4, float2> affine_entr
 }
 
 // Canonical words of one key row's D / 32 blocks for thread t (bits 3: the whole row with 8-byte loads, the caller
-// guarantees 8-byte aligned rows; other bits: the words the thread needs, load_gather_block).
+// guarantees 8-byte aligned rows; other bits: the words the thread needs, load_gather_block; t = 0 where `row` was
+// moved on by the thread's own_word).
 template <int BITS, int NB>
 __device__ __forceinline__ void key_row_words(const uint32_t* __restrict__ row, int t, uint32_t sel_lo, uint32_t sel_hi,
                                               uint32_t (&X)[NB], uint32_t (&Xh)[NB]) {
@@ -502,18 +504,73 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   }();
 
   // Addressing: 64-bit bases of the (b, h_kv) slices, rows reached by one mad.wide.u32 each (offset_rows) with the
-  // row strides in bytes as 32-bit numbers (store_tiles_supported: every slice spans < 2^32 bytes). Value rows are
-  // channels: this thread's channel g is the base, channel 16 mt + g (+ 8) adds a compile-time multiple of the stride.
+  // row strides in bytes as 32-bit numbers (store_tiles_supported: every slice spans < 2^32 bytes). Key rows are
+  // tokens, value rows channels (this thread's g + 8 j); a thread's code loads start at its own word of a block.
+  // kRowPtrs (head_dim 64, 8 rows): every row a thread loads from (codes, the affine tables' scales / zeros, the
+  // prefetches) is a loop-invariant pointer of its own, laundered (else ptxas re-derives each from the slice bases
+  // every step), and a step's address is that pointer plus one product shared by the rows of a kind (f0 x stride, or
+  // the value block). Elsewhere (4 rows: 168 registers; head_dim 128) the pointers do not fit beside the step's
+  // registers (spills): the step derives each address from the slice bases, and the loads add the thread's word (tw).
+  constexpr bool kRowPtrs = D == 64 && NT == 2;
+  const auto hold = [](auto ptr) {
+    if constexpr (kRowPtrs) return launder(ptr);
+    else return ptr;
+  };
   const AttnStore& K = p.keys;
   const AttnStore& V = p.values;
   const uint32_t kcs = row_bytes(K.c_sr, 4), kss = row_bytes(K.s_sr, 2), kzs = row_bytes(K.z_sr, 2);
   const uint32_t vcs = row_bytes(V.c_sr, 4), vss = row_bytes(V.s_sr, 2), vzs = row_bytes(V.z_sr, 2);
-  const uint32_t* const kc = K.codes + b * K.c_sb + hk * K.c_sh;
-  const uint16_t* const ksc = K.scales + b * K.s_sb + hk * K.s_sh;
-  const uint16_t* const kz = kKZero ? K.zeros + b * K.z_sb + hk * K.z_sh : nullptr;
-  const uint32_t* const vc_g = offset_rows(V.codes + b * V.c_sb + hk * V.c_sh, static_cast<uint32_t>(g), vcs);
-  const uint16_t* const vs0 = V.scales + b * V.s_sb + hk * V.s_sh;
-  const uint16_t* const vz0 = kVZero ? V.zeros + b * V.z_sb + hk * V.z_sh : nullptr;
+  const uint32_t* const kc = hold(K.codes + b * K.c_sb + hk * K.c_sh);
+  const uint16_t* const ksc = hold(K.scales + b * K.s_sb + hk * K.s_sh);
+  const uint16_t* const kz = kKZero ? hold(K.zeros + b * K.z_sb + hk * K.z_sh) : nullptr;
+  const uint32_t* const vc_g = hold(offset_rows(V.codes + b * V.c_sb + hk * V.c_sh, static_cast<uint32_t>(g), vcs));
+  const uint16_t* const vs0 = hold(V.scales + b * V.s_sb + hk * V.s_sh);
+  const uint16_t* const vz0 = kVZero ? hold(V.zeros + b * V.z_sb + hk * V.z_sh) : nullptr;
+  const int tw = kRowPtrs ? 0 : t;
+  constexpr bool kVOwnWord = !kRowPtrs || VB != 3;  // (3-bit values with row pointers: the whole-block loads)
+  // the key affine table (KPAIRS row pairs a step): the lane's rows 16 (kpr / 8) + kpr % 8 and + 8 from group kg0 on
+  constexpr int KPAIRS = KM16 * 8, KLPG = 32 / KPAIRS;
+  const int kpr = lane % KPAIRS, kg0 = lane / KPAIRS;
+  // the value affine table: the lane's channels 16 (pr / 8) + pr % 8 and + 8 of pr = lane + 32 q
+  constexpr int VPL = MT * 8 / 32;
+  // the pointers (kRowPtrs; one-element placeholders otherwise)
+  constexpr int NKR = kRowPtrs ? 2 * KM16 : 1, NVR = kRowPtrs ? 2 * MT : 1, NVQ = kRowPtrs ? VPL : 1;
+  constexpr int NVP = kRowPtrs ? D / 32 : 1;
+  const uint32_t* krow[NKR];  // key rows g + 8 j of the step at token 0
+  const uint32_t* vrow[NVR];  // value channels g + 8 j at block 0
+  const uint32_t* vpf[NVP];   // value channels lane + 32 i, 8 blocks on (the next step's prefetch)
+  const uint16_t *vs_a[NVQ], *vs_b[NVQ], *vz_a[NVQ], *vz_b[NVQ];
+  const uint32_t* kpf_c[1];
+  const uint16_t *kpf_s[1], *kpf_z[1], *ks_a[1], *ks_b[1], *kz_a[1], *kz_b[1];
+  if constexpr (kRowPtrs) {
+#pragma unroll
+    for (int j = 0; j < NKR; ++j)  // (3-bit keys: whole rows)
+      krow[j] = launder(offset_rows(kc, static_cast<uint32_t>(g + 8 * j), kcs) + (KB == 3 ? 0u : own_word<KB>(t)));
+#pragma unroll
+    for (int j = 0; j < NVR; ++j)
+      vrow[j] = launder(offset_rows(vc_g, static_cast<uint32_t>(8 * j), vcs) + own_word<VB>(t));
+#pragma unroll
+    for (int i = 0; i < NVP; ++i)
+      vpf[i] = launder(offset_rows(vc_g, static_cast<uint32_t>(lane - g + 32 * i), vcs) + TOK * kWarps / kTile * VB);
+#pragma unroll
+    for (int q = 0; q < NVQ; ++q) {
+      const int pr = lane + 32 * q;
+      const uint32_t ch = 16u * (pr / 8) + (pr % 8);
+      vs_a[q] = launder(offset_rows(vs0, ch, vss));
+      vs_b[q] = launder(offset_rows(vs0, ch + 8u, vss));
+      vz_a[q] = kVZero ? launder(offset_rows(vz0, ch, vzs)) : nullptr;
+      vz_b[q] = kVZero ? launder(offset_rows(vz0, ch + 8u, vzs)) : nullptr;
+    }
+    const uint32_t kpf = static_cast<uint32_t>(lane + TOK * kWarps);  // the lane's key row of the next step's prefetch
+    const uint32_t kr_a = 16u * (kpr / 8) + (kpr % 8);
+    kpf_c[0] = launder(offset_rows(kc, kpf, kcs));
+    kpf_s[0] = launder(offset_rows(ksc, kpf, kss));
+    kpf_z[0] = kKZero ? launder(offset_rows(kz, kpf, kzs)) : nullptr;
+    ks_a[0] = launder(offset_rows(ksc, kr_a, kss) + kg0);
+    ks_b[0] = launder(offset_rows(ksc, kr_a + 8u, kss) + kg0);
+    kz_a[0] = kKZero ? launder(offset_rows(kz, kr_a, kzs) + kg0) : nullptr;
+    kz_b[0] = kKZero ? launder(offset_rows(kz, kr_a + 8u, kzs) + kg0) : nullptr;
+  }
   const uint32_t sel_lo = sel_bytes(2 * t, 2 * t + 1), sel_hi = sel_bytes(t, t);
   float* const ps = ps_all + warp * QR * TOK;
   uint4* const pfs = qf + NT * NB * 32 + warp * NT * KT * 32 + lane;  // [kWarps][NT][KT][32] (kPfSmem)
@@ -547,34 +604,60 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     float sc[NT][KM16][2];
 #pragma unroll
     for (int mt = 0; mt < KM16; ++mt) {
-      const uint32_t ra = static_cast<uint32_t>(f0) + 16u * mt + g;  // token rows ra and ra + 8 of the key store
+      const uint32_t f0u = static_cast<uint32_t>(f0);
+      [[maybe_unused]] const uint32_t ra = f0u + 16u * mt + g;  // token rows ra and ra + 8 of the key store
       uint32_t Xa[NB], Xha[NB], Xb[NB], Xhb[NB];
-      const uint32_t* const rowa = offset_rows(kc, ra, kcs);
-      key_row_words<KB, NB>(rowa, t, sel_lo, sel_hi, Xa, Xha);
-      key_row_words<KB, NB>(offset_rows(rowa, 8u, kcs), t, sel_lo, sel_hi, Xb, Xhb);
+      const uint32_t* rowa;
+      const uint32_t* rowb;
+      if constexpr (kRowPtrs) {
+        rowa = offset_rows(krow[2 * mt], f0u, kcs);
+        rowb = offset_rows(krow[2 * mt + 1], f0u, kcs);
+      } else {
+        rowa = offset_rows(kc, ra, kcs);
+        rowb = offset_rows(rowa, 8u, kcs);
+      }
+      key_row_words<KB, NB>(rowa, tw, sel_lo, sel_hi, Xa, Xha);
+      key_row_words<KB, NB>(rowb, tw, sel_lo, sel_hi, Xb, Xhb);
       if (mt == 0) {
-        if (prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step: ra + that - g
-          const uint16_t* const sa = offset_rows(ksc, ra, kss);
-          [[maybe_unused]] const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
+        if (prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step
+          if constexpr (kRowPtrs) {
+            const uint32_t* const pc = offset_rows(kpf_c[0], f0u, kcs);
+            const uint16_t* const pscale = offset_rows(kpf_s[0], f0u, kss);
+            [[maybe_unused]] const uint16_t* const pz = kKZero ? offset_rows(kpf_z[0], f0u, kzs) : nullptr;
 #pragma unroll
-          for (int k = 0; k < KT; ++k) {
-            const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
-            prefetch_l2(offset_rows(rowa, dr, kcs));
-            prefetch_l2(offset_rows(sa, dr, kss));
-            if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+            for (int k = 0; k < KT; ++k) {
+              prefetch_l2(offset_rows(pc, 32u * k, kcs));
+              prefetch_l2(offset_rows(pscale, 32u * k, kss));
+              if constexpr (kKZero) prefetch_l2(offset_rows(pz, 32u * k, kzs));
+            }
+          } else {  // ra + that - g
+            const uint16_t* const sa = offset_rows(ksc, ra, kss);
+            [[maybe_unused]] const uint16_t* const za = kKZero ? offset_rows(kz, ra, kzs) : nullptr;
+#pragma unroll
+            for (int k = 0; k < KT; ++k) {
+              const uint32_t dr = TOK * kWarps + 32u * k + static_cast<uint32_t>(lane - g);
+              prefetch_l2(offset_rows(rowa, dr, kcs));
+              prefetch_l2(offset_rows(sa, dr, kss));
+              if constexpr (kKZero) prefetch_l2(offset_rows(za, dr, kzs));
+            }
           }
         }
         // The step's key affines, after the first tile's code loads are issued: the (mt, g) row pairs of the step over
         // the lanes (KPAIRS of them; 2 lanes a pair, taking alternate groups, when there are 16), each pair's
         // groups loaded, converted to fp32 and stored once, where every thread of an MMA quad loaded them itself
-        constexpr int KPAIRS = KM16 * 8, KLPG = 32 / KPAIRS;
         __syncwarp();  // the previous step's P.V has read the values' table in the same bytes
-        const int pr = lane % KPAIRS, g0 = lane / KPAIRS;
-        const uint32_t r_a = static_cast<uint32_t>(f0) + 16u * (pr / 8) + (pr % 8);
-        const uint16_t* const s_a = offset_rows(ksc, r_a, kss) + g0;
-        const uint16_t* const s_b = offset_rows(s_a, 8u, kss);
-        const uint16_t* const z_a = kKZero ? offset_rows(kz, r_a, kzs) + g0 : nullptr;
-        const uint16_t* const z_b = kKZero ? offset_rows(z_a, 8u, kzs) : nullptr;
+        const int pr = kpr, g0 = kg0;
+        const uint16_t *s_a, *s_b, *z_a = nullptr, *z_b = nullptr;
+        if constexpr (kRowPtrs) {
+          s_a = offset_rows(ks_a[0], f0u, kss);
+          s_b = offset_rows(ks_b[0], f0u, kss);
+          if constexpr (kKZero) z_a = offset_rows(kz_a[0], f0u, kzs), z_b = offset_rows(kz_b[0], f0u, kzs);
+        } else {
+          const uint32_t r_a = f0u + 16u * (pr / 8) + (pr % 8);
+          s_a = offset_rows(ksc, r_a, kss) + g0;
+          s_b = offset_rows(s_a, 8u, kss);
+          if constexpr (kKZero) z_a = offset_rows(kz, r_a, kzs) + g0, z_b = offset_rows(z_a, 8u, kzs);
+        }
 #pragma unroll
         for (int m = 0; m < (NB + KLPG - 1) / KLPG; ++m) {
           if (g0 + KLPG * m < n_kg) {
@@ -666,18 +749,22 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       // a row with nothing seen has every score -inf: against 0 instead of m = -inf each p is exp2(-inf) = 0, with no
       // select a score (and no zeroing move before each predicated ex2)
       const float m_use = seen ? m_new : 0.f;
+      // Steps without masks see finite scores in q' units (kl = 2^-e log2(e) brings them to log2 units): p * 2^14 =
+      // ex2(s kl + (14 - m kl)), one FFMA a score, as flash attention's. m kl is rounded once, an error of
+      // |m| 2^-e log2(e) 2^-24 in the exponent (~1e-6 relative in p at |scores| ~ 10). With masks (finfo.min entries:
+      // m kl would overflow) the subtraction stays first, exact where s and m are close.
+      const float c14 = fmaf(-m_use, kl, kPScaleLog2);
       float sum = 0.f;  // of p * 2^14, as l_run
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
-        float bsum = 0.f;
+        float pj[4];  // p * 2^14 of tokens 32 kb + 8 j + g
 #pragma unroll
-        for (int mt = 2 * kb; mt < 2 * kb + 2; ++mt)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float pj = exp2f(fmaf(sc[nt][mt][i] - m_use, kl, kPScaleLog2));  // p * 2^14
-            bsum += pj;
-            ps[slot_row(kKDup, nt, t) * TOK + 16 * mt + 8 * i + g] = pj;
-          }
+        for (int j = 0; j < 4; ++j) {
+          const float s = sc[nt][2 * kb + j / 2][j % 2];
+          pj[j] = exp2f(kMasks ? fmaf(s - m_use, kl, kPScaleLog2) : fmaf(s, kl, c14));
+          ps[slot_row(kKDup, nt, t) * TOK + 32 * kb + 8 * j + g] = pj[j];
+        }
+        const float bsum = (pj[0] + pj[1]) + (pj[2] + pj[3]);
         if (kVZero || kb == KT - 1) {  // one butterfly for the row's sum; one per block where the values need it
           const float v = kVZero ? bsum : sum + bsum;
           float r = v + __shfl_xor_sync(0xffffffffu, v, 4);
@@ -699,54 +786,79 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       for (int mt = 0; mt < MT; ++mt) o[nt][mt][0] *= alpha, o[nt][mt][1] *= alpha;
     }
     __syncwarp();
-    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (kKDup: row g, part
-    // nt) (pf_in_smem: into this lane's slots of pfs, read back by this lane only)
+    // B fragments of p: lane (g, t) takes row 4 nt + g / 2, tokens 32 kb + 8t .. + 7, part g & 1 (kKDup: row g, both
+    // parts, pf[0] hi and pf[1] lo) (pf_in_smem: into this lane's slots of pfs, read back by this lane only)
     uint4 pf[NT][KT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    if constexpr (kKDup) {  // both halves of the lane's row from one split of each pair (split_pairs)
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
-        const float* src = ps + b_col_row(kKDup, nt, g) * TOK + 32 * kb + 8 * t;
+        const float* src = ps + g * TOK + 32 * kb + 8 * t;
+        const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
+        const uint2 s0 = split_pairs(a.x, c.x), s1 = split_pairs(a.y, c.y), s2 = split_pairs(a.z, c.z),
+                    s3 = split_pairs(a.w, c.w);
+        const uint4 hi = make_uint4(s0.x, s1.x, s2.x, s3.x), lo = make_uint4(s0.y, s1.y, s2.y, s3.y);
+        if constexpr (kPfSmem) pfs[kb * 32] = hi, pfs[(KT + kb) * 32] = lo;
+        else pf[0][kb] = hi, pf[NT - 1][kb] = lo;
+      }
+    } else {
+#pragma unroll
+      for (int kb = 0; kb < KT; ++kb) {
+        const float* src = ps + b_col_row(false, 0, g) * TOK + 32 * kb + 8 * t;
         const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
         const float v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        const float pt = kKDup ? static_cast<float>(nt) : part;
-        if constexpr (kPfSmem) pfs[(nt * KT + kb) * 32] = b_fragment(v, pt);
-        else pf[nt][kb] = b_fragment(v, pt);
+        if constexpr (kPfSmem) pfs[kb * 32] = b_fragment(v, part);
+        else pf[0][kb] = b_fragment(v, part);
       }
+    }
 
     // ---- P.V: the value store's blocks f0 / 32 + kb of channels 16 mt + g (+ 8) ---------------------------------
-    const uint32_t blk0 = static_cast<uint32_t>(f0 / kTile);
-    const uint32_t* const vct = vc_g + blk0 * VB;  // channel g's first block
+    // (f0 / kTile in int64 at head_dim 128: with the 32-bit division ptxas allocated sm_80's 8-row hybrid kernel with
+    // a spill; at 64 two fewer instructions)
+    const uint32_t blk0 = D == 64 ? static_cast<uint32_t>(f0) / kTile : static_cast<uint32_t>(f0 / kTile);
+    [[maybe_unused]] const uint32_t* const vct = vc_g + blk0 * VB;  // channel g's first block (not kRowPtrs)
     uint32_t gv[KT];
 #pragma unroll
     for (int kb = 0; kb < KT; ++kb) gv[kb] = block_group(blk0 + kb, L.v_bpg_magic);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // channels 16 mt + g and 16 mt + g + 8
-      const uint32_t* const ca = offset_rows(vct, 16u * mt, vcs);
-      const uint32_t* const cb8 = offset_rows(vct, 16u * mt + 8u, vcs);
+      const uint32_t* ca;
+      const uint32_t* cb8;
+      if constexpr (kRowPtrs) {
+        ca = offset_rows(vrow[2 * mt], blk0, VB * 4);
+        cb8 = offset_rows(vrow[2 * mt + 1], blk0, VB * 4);
+      } else {
+        ca = offset_rows(vct, 16u * mt, vcs);
+        cb8 = offset_rows(vct, 16u * mt + 8u, vcs);
+      }
       if (mt == 0 && prefetch_next) {  // the next step's first block of channels lane + 32 i = g + (lane - g + 32 i)
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i)
-          prefetch_l2(offset_rows(ca, static_cast<uint32_t>(lane - g) + 32u * i, vcs) + TOK * kWarps / kTile * VB);
+        for (int i = 0; i < D / 32; ++i) {
+          if constexpr (kRowPtrs) prefetch_l2(offset_rows(vpf[i], blk0, VB * 4));
+          else prefetch_l2(offset_rows(ca, static_cast<uint32_t>(lane - g) + 32u * i, vcs) + TOK * kWarps / kTile * VB);
+        }
       }
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
         uint32_t Xa, Xha, Xb, Xhb;
-        load_gather_block<VB, true>(ca + kb * VB, t, sel_lo, sel_hi, Xa, Xha);
-        load_gather_block<VB, true>(cb8 + kb * VB, t, sel_lo, sel_hi, Xb, Xhb);
+        load_gather_block<VB, kVOwnWord>(ca + kb * VB, tw, sel_lo, sel_hi, Xa, Xha);
+        load_gather_block<VB, kVOwnWord>(cb8 + kb * VB, tw, sel_lo, sel_hi, Xb, Xhb);
         if (mt == 0 && kb == 0) {
           // The step's value affines, after the first tile's code loads are issued, as the keys' above: the store's
           // (mt, g) channel pairs over the lanes (VPL each), every block's group
-          constexpr int VPL = MT * 8 / 32;
 #pragma unroll
           for (int q = 0; q < VPL; ++q) {
             const int pr = lane + 32 * q;
-            const uint32_t ch = 16u * (pr / 8) + (pr % 8);
-            const uint16_t* const s_a = offset_rows(vs0, ch, vss);
-            const uint16_t* const s_b = offset_rows(s_a, 8u, vss);
-            const uint16_t* const z_a = kVZero ? offset_rows(vz0, ch, vzs) : nullptr;
-            const uint16_t* const z_b = kVZero ? offset_rows(z_a, 8u, vzs) : nullptr;
+            const uint16_t *s_a, *s_b, *z_a = nullptr, *z_b = nullptr;
+            if constexpr (kRowPtrs) {
+              s_a = vs_a[q], s_b = vs_b[q];
+              if constexpr (kVZero) z_a = vz_a[q], z_b = vz_b[q];
+            } else {
+              const uint32_t ch = 16u * (pr / 8) + (pr % 8);
+              s_a = offset_rows(vs0, ch, vss);
+              s_b = offset_rows(s_a, 8u, vss);
+              if constexpr (kVZero) z_a = offset_rows(vz0, ch, vzs), z_b = offset_rows(z_a, 8u, vzs);
+            }
 #pragma unroll
             for (int k = 0; k < KT; ++k) {
               const GroupAffine fa = group_affine<VM, VB>(__ldg(s_a + gv[k]), kVZero ? __ldg(z_a + gv[k]) : uint16_t{0});
@@ -1041,9 +1153,11 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
           step_max<KCPL, kMasks>(sc[nt], rows, nt, S + f0, static_cast<int>(f0 - lo), 0, tok_of, us[nt], kl);
       const float m_new = sm.m_new, alpha = sm.alpha;
       const float m_use = sm.seen ? m_new : 0.f;  // (as the store tiles': p = 0 without a select where nothing is seen)
+      const float c14 = fmaf(-m_use, kl, kPScaleLog2);
       float pj[KCPL];  // p * 2^14
 #pragma unroll
-      for (int j = 0; j < KCPL; ++j) pj[j] = exp2f(fmaf(sc[nt][j] - m_use, kl, kPScaleLog2));
+      for (int j = 0; j < KCPL; ++j)  // (one FFMA a score in steps without masks, as the store tiles' softmax)
+        pj[j] = exp2f(kMasks ? fmaf(sc[nt][j] - m_use, kl, kPScaleLog2) : fmaf(sc[nt][j], kl, c14));
       float sum = pj[0];
 #pragma unroll
       for (int j = 1; j < KCPL; ++j) sum += pj[j];

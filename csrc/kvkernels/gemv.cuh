@@ -242,6 +242,14 @@ inline DecodeConsts decode_consts_for(int bits, QuantMode mode) {
   return decode_consts(bits, mode == QuantMode::kSym ? 1 << (bits - 1) : 0);
 }
 
+// The word of a block that load_gather_block<BITS, true> reads first for thread t: word t (bits 4), t / 2 (bits 2),
+// 0 (bits 1; bits 3 read from word 0 in the form without OWN_WORD). A kernel that adds it to a row pointer once reads
+// each block with load_gather_block<BITS, BITS != 3>(ptr, 0, ...): the same words, no per-load address add.
+template <int BITS>
+__device__ __forceinline__ uint32_t own_word(int t) {
+  return BITS == 4 ? static_cast<uint32_t>(t) : BITS == 2 ? static_cast<uint32_t>(t >> 1) : 0u;
+}
+
 // Canonical words (mma.cuh) of thread t from one 32-value block of BITS words, with 32-bit loads. Bits 2: the
 // thread's half-word of the low planes is in word t / 2, so prmt(w, w, sel_lo) reads it from {w:w}; bits 3 read both
 // low-plane words (prmt picks the half-word), or with OWN_WORD only word t / 2 (one load fewer; the GEMVs' tails

@@ -1236,6 +1236,12 @@ void attn_cases() {
     a.dt = XDtype::kF32; attn_case(a); }                                                                  // asym4
   { AttnCase a; a.D = 64; a.kbits = a.vbits = 1; a.kmode = a.vmode = QM::kAsym; a.H_q = 4; a.H_kv = 1; a.mk = 512;
     a.mv = 512; a.ntk = 96; a.S = 32; a.dt = XDtype::kBF16; a.xscale = true; attn_case(a); }            // asym1
+  // 8 rows at head_dim 64, the per-row pointers (kRowPtrs): asym4 (the keys' loads start at the thread's own word) and
+  // asym1, two steps per warp in a split, no mask (the visible-steps loop and its one-FFMA softmax)
+  { AttnCase a; a.D = 64; a.G = 64; a.kbits = a.vbits = 4; a.kmode = a.vmode = QM::kAsym; a.H_q = 8; a.H_kv = 1;
+    a.S = 1; a.mk = 640; a.mv = 640; a.ntk = 9; a.split_tokens = 320; attn_case(a); }                  // asym4
+  { AttnCase a; a.D = 64; a.kbits = a.vbits = 1; a.kmode = a.vmode = QM::kAsym; a.H_q = 6; a.H_kv = 1; a.mk = 576;
+    a.mv = 576; a.ntk = 20; a.dt = XDtype::kF32; a.xscale = true; attn_case(a); }                        // asym1
   { AttnCase a; a.aligned = true; a.kbits = a.vbits = 3; a.S = 2; a.mk = 200; a.mv = 192; a.ntk = 9; a.H_q = 8;
     a.H_kv = 2; a.dev_lengths = true; a.extra[0] = 3; a.extra[1] = 64; a.extra[2] = 5; a.extra[3] = 64; a.extra[4] = 7;
     a.split_tokens = 32; a.expect_splits = 7; a.mask_kind = 1; attn_case(a); }
