@@ -283,6 +283,20 @@ __device__ __forceinline__ PackedScoreRows<NT> packed(const ScoreRows<NT>& r, bo
   return q;
 }
 
+// p * 2^14 of a row's step scores s (q' units, or score units with a caller's mask; kl = log2(e) per unit) against
+// m, the running max, or 0 where the row has seen nothing (every score -inf there: exp2(-inf) = 0, no select a score).
+// Steps without masks see finite scores: ex2(s kl + (14 - m kl)), one FFMA a score, as flash attention's; m kl is
+// rounded once, an error of |m kl| 2^-24 in the exponent (~1e-6 relative in p at scores ~10, log2(e) included). With
+// masks (finfo.min entries: m kl would overflow) the subtraction stays first, exact where s and m are close.
+struct PScaled {
+  float m, kl, c14;
+  __device__ __forceinline__ PScaled(float m_use, float kl_) : m(m_use), kl(kl_), c14(fmaf(-m_use, kl_, kPScaleLog2)) {}
+  template <bool kMasks>
+  __device__ __forceinline__ float of(float s) const {
+    return exp2f(kMasks ? fmaf(s - m, kl, kPScaleLog2) : fmaf(s, kl, c14));
+  }
+};
+
 struct StepMax {
   float m_new, alpha;  // the row's new running max; the factor rescaling what was accumulated before
   bool seen;           // a finite (or NaN) score so far: else m stays -inf, l 0, o 0
@@ -540,8 +554,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
   const uint32_t* vrow[NVR];  // value channels g + 8 j at block 0
   const uint32_t* vpf[NVP];   // value channels lane + 32 i, 8 blocks on (the next step's prefetch)
   const uint16_t *vs_a[NVQ], *vs_b[NVQ], *vz_a[NVQ], *vz_b[NVQ];
-  const uint32_t* kpf_c[1];
-  const uint16_t *kpf_s[1], *kpf_z[1], *ks_a[1], *ks_b[1], *kz_a[1], *kz_b[1];
+  const uint32_t* kpf_c = nullptr;  // the lane's key prefetch rows (codes, scales, zeros) of the step at token 0
+  const uint16_t *kpf_s = nullptr, *kpf_z = nullptr;
+  const uint16_t *ks_a = nullptr, *ks_b = nullptr, *kz_a = nullptr, *kz_b = nullptr;  // its key table rows
   if constexpr (kRowPtrs) {
 #pragma unroll
     for (int j = 0; j < NKR; ++j)  // (3-bit keys: whole rows)
@@ -563,13 +578,13 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
     }
     const uint32_t kpf = static_cast<uint32_t>(lane + TOK * kWarps);  // the lane's key row of the next step's prefetch
     const uint32_t kr_a = 16u * (kpr / 8) + (kpr % 8);
-    kpf_c[0] = launder(offset_rows(kc, kpf, kcs));
-    kpf_s[0] = launder(offset_rows(ksc, kpf, kss));
-    kpf_z[0] = kKZero ? launder(offset_rows(kz, kpf, kzs)) : nullptr;
-    ks_a[0] = launder(offset_rows(ksc, kr_a, kss) + kg0);
-    ks_b[0] = launder(offset_rows(ksc, kr_a + 8u, kss) + kg0);
-    kz_a[0] = kKZero ? launder(offset_rows(kz, kr_a, kzs) + kg0) : nullptr;
-    kz_b[0] = kKZero ? launder(offset_rows(kz, kr_a + 8u, kzs) + kg0) : nullptr;
+    kpf_c = launder(offset_rows(kc, kpf, kcs));
+    kpf_s = launder(offset_rows(ksc, kpf, kss));
+    kpf_z = kKZero ? launder(offset_rows(kz, kpf, kzs)) : nullptr;
+    ks_a = launder(offset_rows(ksc, kr_a, kss) + kg0);
+    ks_b = launder(offset_rows(ksc, kr_a + 8u, kss) + kg0);
+    kz_a = kKZero ? launder(offset_rows(kz, kr_a, kzs) + kg0) : nullptr;
+    kz_b = kKZero ? launder(offset_rows(kz, kr_a + 8u, kzs) + kg0) : nullptr;
   }
   const uint32_t sel_lo = sel_bytes(2 * t, 2 * t + 1), sel_hi = sel_bytes(t, t);
   float* const ps = ps_all + warp * QR * TOK;
@@ -621,9 +636,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       if (mt == 0) {
         if (prefetch_next) {  // rows f0 + TOK kWarps + lane + 32 k of the next step
           if constexpr (kRowPtrs) {
-            const uint32_t* const pc = offset_rows(kpf_c[0], f0u, kcs);
-            const uint16_t* const pscale = offset_rows(kpf_s[0], f0u, kss);
-            [[maybe_unused]] const uint16_t* const pz = kKZero ? offset_rows(kpf_z[0], f0u, kzs) : nullptr;
+            const uint32_t* const pc = offset_rows(kpf_c, f0u, kcs);
+            const uint16_t* const pscale = offset_rows(kpf_s, f0u, kss);
+            [[maybe_unused]] const uint16_t* const pz = kKZero ? offset_rows(kpf_z, f0u, kzs) : nullptr;
 #pragma unroll
             for (int k = 0; k < KT; ++k) {
               prefetch_l2(offset_rows(pc, 32u * k, kcs));
@@ -649,9 +664,9 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
         const int pr = kpr, g0 = kg0;
         const uint16_t *s_a, *s_b, *z_a = nullptr, *z_b = nullptr;
         if constexpr (kRowPtrs) {
-          s_a = offset_rows(ks_a[0], f0u, kss);
-          s_b = offset_rows(ks_b[0], f0u, kss);
-          if constexpr (kKZero) z_a = offset_rows(kz_a[0], f0u, kzs), z_b = offset_rows(kz_b[0], f0u, kzs);
+          s_a = offset_rows(ks_a, f0u, kss);
+          s_b = offset_rows(ks_b, f0u, kss);
+          if constexpr (kKZero) z_a = offset_rows(kz_a, f0u, kzs), z_b = offset_rows(kz_b, f0u, kzs);
         } else {
           const uint32_t r_a = f0u + 16u * (pr / 8) + (pr % 8);
           s_a = offset_rows(ksc, r_a, kss) + g0;
@@ -746,14 +761,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
       const bool seen = m_new != -INFINITY;  // else nothing seen yet: keep m = -inf, l = 0, o = 0
       const float kl = masked ? kLog2e : us[nt] * kLog2e;  // (a register a row less than keeping it: spills at 168)
       if (seen) alpha = exp2f((rows.m_run[nt] - m_new) * kl);
-      // a row with nothing seen has every score -inf: against 0 instead of m = -inf each p is exp2(-inf) = 0, with no
-      // select a score (and no zeroing move before each predicated ex2)
-      const float m_use = seen ? m_new : 0.f;
-      // Steps without masks see finite scores in q' units (kl = 2^-e log2(e) brings them to log2 units): p * 2^14 =
-      // ex2(s kl + (14 - m kl)), one FFMA a score, as flash attention's. m kl is rounded once, an error of
-      // |m| 2^-e log2(e) 2^-24 in the exponent (~1e-6 relative in p at |scores| ~ 10). With masks (finfo.min entries:
-      // m kl would overflow) the subtraction stays first, exact where s and m are close.
-      const float c14 = fmaf(-m_use, kl, kPScaleLog2);
+      const PScaled pscaled(seen ? m_new : 0.f, kl);  // (0: no zeroing move before each predicated ex2)
       float sum = 0.f;  // of p * 2^14, as l_run
 #pragma unroll
       for (int kb = 0; kb < KT; ++kb) {
@@ -761,7 +769,7 @@ __global__ void __launch_bounds__(kThreads, store_min_ctas(D, NT, KB, VM, VB)) s
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float s = sc[nt][2 * kb + j / 2][j % 2];
-          pj[j] = exp2f(kMasks ? fmaf(s - m_use, kl, kPScaleLog2) : fmaf(s, kl, c14));
+          pj[j] = pscaled.of<kMasks>(s);
           ps[slot_row(kKDup, nt, t) * TOK + 32 * kb + 8 * j + g] = pj[j];
         }
         const float bsum = (pj[0] + pj[1]) + (pj[2] + pj[3]);
@@ -1152,12 +1160,10 @@ __global__ void __launch_bounds__(kThreads, kivi_min_ctas(NT)) kivi_tiles_kernel
       const StepMax sm =
           step_max<KCPL, kMasks>(sc[nt], rows, nt, S + f0, static_cast<int>(f0 - lo), 0, tok_of, us[nt], kl);
       const float m_new = sm.m_new, alpha = sm.alpha;
-      const float m_use = sm.seen ? m_new : 0.f;  // (as the store tiles': p = 0 without a select where nothing is seen)
-      const float c14 = fmaf(-m_use, kl, kPScaleLog2);
+      const PScaled pscaled(sm.seen ? m_new : 0.f, kl);
       float pj[KCPL];  // p * 2^14
 #pragma unroll
-      for (int j = 0; j < KCPL; ++j)  // (one FFMA a score in steps without masks, as the store tiles' softmax)
-        pj[j] = exp2f(kMasks ? fmaf(sc[nt][j] - m_use, kl, kPScaleLog2) : fmaf(sc[nt][j], kl, c14));
+      for (int j = 0; j < KCPL; ++j) pj[j] = pscaled.of<kMasks>(sc[nt][j]);
       float sum = pj[0];
 #pragma unroll
       for (int j = 1; j < KCPL; ++j) sum += pj[j];
