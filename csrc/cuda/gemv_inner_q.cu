@@ -72,11 +72,16 @@ constexpr int64_t kMaxTPerLaunch = 16;    // query rows per head per launch (q_l
 constexpr int kFragBytes = 16;            // B fragment of one lane, block and n-tile: pairs P0..P3 of one column
 constexpr int kMinCtasPerSm = 2;          // register cap 128 per thread
 
+// Zero-MMA steps of a split of nblk blocks (zero_mma below), as the host sizes them: one per whole chunk, and one for
+// the two blocks of keys at head_dim 64 (L = 64: no whole chunk; thread 0's k-slots hold both blocks, the others' B is
+// zero). The kernels stage that one only where they use it (kLoadRing64); the others leave it unused.
+constexpr int64_t zero_steps(int64_t nblk) { return nblk == 2 ? 1 : nblk / kChunkBlocks; }
+
 // Shared memory of a CTA staging `len` values for NT n-tiles (4 query rows each).
 size_t stage_bytes(int64_t len, int nt, QuantMode mode) {
   const int64_t nblk = len / 32, qr = 4 * static_cast<int64_t>(nt);
   const int64_t xsum = mode == QuantMode::kSym ? 0 : qr * nblk;
-  const int64_t zfrag = mode == QuantMode::kSym ? 0 : nt * (len / kChunk) * 32 * 8;  // zero-MMA B fragments
+  const int64_t zfrag = mode == QuantMode::kSym ? 0 : nt * zero_steps(nblk) * 32 * 8;  // zero-MMA B fragments
   return static_cast<size_t>(nt * nblk * 32 * kFragBytes + zfrag + (xsum + 2 * qr) * 4);
 }
 
@@ -153,18 +158,26 @@ __host__ __device__ constexpr bool kdup() {
   return NT == 2;
 }
 
-template <int BITS, QuantMode MODE, int NT, bool ZFOLD>
-__device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb, uint32_t Xhb, uint16_t sa,
-                                          uint16_t za, uint16_t sb, uint16_t zb, const uint4* __restrict__ frag,
-                                          int frag_nt_stride, const float* __restrict__ xsum_blk, int xsum_q_stride,
-                                          int t, const DecodeConsts& kc, float (&acc)[NT][2]) {
+// The group affines of a block's two rows (row g, row g + 8).
+struct AffinePair {
+  GroupAffine a, b;
+};
+
+// affines() gives the block's AffinePair (zeff read only with ZFOLD); it is called after the decode, where ptxas has
+// always seen the conversions (the 128-register kernels' allocation moves with the PTX order).
+template <int BITS, QuantMode MODE, int NT, bool ZFOLD, typename Affines>
+__device__ __forceinline__ void block_mma(uint32_t Xa, uint32_t Xha, uint32_t Xb, uint32_t Xhb, const Affines& affines,
+                                          const uint4* __restrict__ frag, int frag_nt_stride,
+                                          const float* __restrict__ xsum_blk, int xsum_q_stride, int t,
+                                          const DecodeConsts& kc, float (&acc)[NT][2]) {
   constexpr int OFF = decode_offset<BITS, MODE>();
   uint32_t ha[4], hb[4];
   decode_inner_q<BITS, OFF>(Xa, Xha, kc, ha);
   decode_inner_q<BITS, OFF>(Xb, Xhb, kc, hb);
   const uint32_t A0[4] = {ha[0], hb[0], ha[1], hb[1]};  // k-step 0: pairs P0, P1 of rows g and g + 8
   const uint32_t A1[4] = {ha[2], hb[2], ha[3], hb[3]};  // k-step 1: pairs P2, P3
-  const GroupAffine fa = group_affine<MODE, BITS>(sa, za), fb = group_affine<MODE, BITS>(sb, zb);
+  const AffinePair f = affines();
+  const GroupAffine fa = f.a, fb = f.b;
   const float zero[4] = {0.f, 0.f, 0.f, 0.f};
   if constexpr (kdup<NT>()) {
     const uint4 H = frag[0], L = frag[frag_nt_stride];
@@ -220,13 +233,12 @@ struct ZeroA {
   uint32_t s;  // -|s| pair for hybrid's sym groups (0 for asym groups, and always 0 in asym mode)
 };
 
-// s0, s1: the fp16 scales of the two blocks; zp: their fp16 zeros as one pair (low half = the first block).
+// sp, zp: the fp16 scales and zeros of the two blocks, each as one pair (low half = the first block).
 template <QuantMode MODE>
-__device__ __forceinline__ ZeroA zero_a(uint32_t s0, uint32_t s1, uint32_t zp) {
+__device__ __forceinline__ ZeroA zero_a_pair(uint32_t sp, uint32_t zp) {
   if constexpr (MODE == QuantMode::kAsym) {
     return {zp, 0u};
   } else {
-    const uint32_t sp = prmt(s0, s1, 0x5410u);
     const uint32_t asym = prmt(sp, 0u, 0xBB99u);  // 0xffff in each half whose scale has the sign bit (asym group)
     return {zp & asym, lop3<0x54>(sp, 0x80008000u, asym)};  // (s | sign) & ~asym: -|s| for sym groups
   }
@@ -270,17 +282,51 @@ struct ChunkCtx {
   uint32_t sel_lo, sel_hi;
 };
 
+// The fp16 scale of block j (0 or 1) of a stored pair (low half = block 0) as a float; hybrid's |s| (its sign bit flags
+// an asym group). On the device one HADD2.F32 with a half selector and an |.| modifier: no shift, no mask.
+template <QuantMode MODE>
+__device__ __forceinline__ float pair_scale(uint32_t pair, int j) {
+#if defined(__CUDA_ARCH__)
+  __half2 h;
+  memcpy(&h, &pair, sizeof(h));
+  const float s = j == 0 ? __low2float(h) : __high2float(h);
+#else
+  const float s = half_bits_to_float(static_cast<uint16_t>(pair >> (16 * j)));
+#endif
+  return MODE == QuantMode::kHybrid ? fabsf(s) : s;
+}
+
+// The fp16 scales of a step's kChunkBlocks blocks for its two rows (0: row g, 1: row g + 8): scale(i, j) is block j's
+// as a float (|s| in hybrid), pair(i, hi) blocks 2 hi and 2 hi + 1 as an fp16 pair (zero_a_pair).
+// Apart: as the register path loads them, one 2-byte load each.
+template <QuantMode MODE, int BITS>
+struct ScalesApart {
+  uint16_t s[2][kChunkBlocks];
+  __device__ __forceinline__ float scale(int i, int j) const { return group_affine<MODE, BITS>(s[i][j], 0).s; }
+  __device__ __forceinline__ uint32_t pair(int i, bool hi) const {
+    return prmt(hi ? s[i][2] : s[i][0], hi ? s[i][3] : s[i][1], 0x5410u);
+  }
+};
+// Pairs: as the ring holds them (a row's 4 scales are one 8-byte piece), converted by half (pair_scale): no mask, no
+// shift, no PRMT for the zero MMA (2 hybrid at 8 rows: 245 -> 221 instructions a key tile).
+template <QuantMode MODE, int BITS>
+struct ScalePairs {
+  uint32_t p[2][2];
+  __device__ __forceinline__ float scale(int i, int j) const { return pair_scale<MODE>(p[i][j >> 1], j & 1); }
+  __device__ __forceinline__ uint32_t pair(int i, bool hi) const { return hi ? p[i][1] : p[i][0]; }
+};
+
 // The arithmetic of one main-loop step: kChunkBlocks blocks of the two rows, given their raw words, the blocks' scales
-// sa / sb and (modes with zeros) the packed zero pairs za / zb of blocks jj, jj + 1 (zero_a).
-template <int BITS, QuantMode MODE, int NT, bool VEC>
+// sc (ScalesApart or ScalePairs) and (modes with zeros) the packed zero pairs za / zb of blocks jj, jj + 1
+// (zero_a_pair).
+template <int BITS, QuantMode MODE, int NT, bool VEC, typename Scales>
 __device__ __forceinline__ void chunk_compute(const ChunkWords<BITS, VEC>& wa, const ChunkWords<BITS, VEC>& wb,
-                                              const uint16_t (&sa)[kChunkBlocks], const uint16_t (&sb)[kChunkBlocks],
-                                              uint32_t za, uint32_t zb, const ChunkCtx& x, const DecodeConsts& kc,
-                                              float (&acc)[NT][2], float (&zacc)[NT][4]) {
+                                              const Scales& sc, uint32_t za, uint32_t zb, const ChunkCtx& x,
+                                              const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
   if constexpr (MODE != QuantMode::kSym) {
     const bool hi = x.jj != 0;
-    const ZeroA a = zero_a<MODE>(hi ? sa[2] : sa[0], hi ? sa[3] : sa[1], za);
-    const ZeroA b = zero_a<MODE>(hi ? sb[2] : sb[0], hi ? sb[3] : sb[1], zb);
+    const ZeroA a = zero_a_pair<MODE>(MODE == QuantMode::kAsym ? 0u : sc.pair(0, hi), za);
+    const ZeroA b = zero_a_pair<MODE>(MODE == QuantMode::kAsym ? 0u : sc.pair(1, hi), zb);
     zero_mma<NT>(a, b, x.zfrag, x.zfrag_nt_stride, zacc);
   }
 #pragma unroll
@@ -288,8 +334,9 @@ __device__ __forceinline__ void chunk_compute(const ChunkWords<BITS, VEC>& wa, c
     uint32_t Xa, Xha = 0, Xb, Xhb = 0;
     gather_chunk(wa, j, x.sel_lo, x.sel_hi, Xa, Xha);
     gather_chunk(wb, j, x.sel_lo, x.sel_hi, Xb, Xhb);
-    block_mma<BITS, MODE, NT, false>(Xa, Xha, Xb, Xhb, sa[j], 0, sb[j], 0, x.frag + j * 32, x.frag_nt_stride,
-                                     nullptr, 0, x.t, kc, acc);
+    const auto affines = [&] { return AffinePair{{sc.scale(0, j), 0.f}, {sc.scale(1, j), 0.f}}; };
+    block_mma<BITS, MODE, NT, false>(Xa, Xha, Xb, Xhb, affines, x.frag + j * 32, x.frag_nt_stride, nullptr, 0, x.t,
+                                     kc, acc);
   }
 }
 
@@ -302,12 +349,12 @@ __device__ __forceinline__ void chunk_step(const RowPair& r, uint32_t blk_abs, u
   ChunkWords<BITS, VEC> wa, wb;
   load_chunk(wa, r.c[0], x.t);
   load_chunk(wb, r.c[1], x.t);
-  uint16_t sa[kChunkBlocks], sb[kChunkBlocks];
+  ScalesApart<MODE, BITS> sc;
 #pragma unroll
   for (int j = 0; j < kChunkBlocks; ++j) {
     const uint32_t gi = GROUP32 ? j : umulhi(blk_abs + j, bpg_magic);
-    sa[j] = __ldg(r.s[0] + gi);
-    sb[j] = __ldg(r.s[1] + gi);
+    sc.s[0][j] = __ldg(r.s[0] + gi);
+    sc.s[1][j] = __ldg(r.s[1] + gi);
   }
   uint32_t za = 0, zb = 0;
   if constexpr (MODE != QuantMode::kSym) {
@@ -321,7 +368,7 @@ __device__ __forceinline__ void chunk_step(const RowPair& r, uint32_t blk_abs, u
     za = prmt(z[0][0], z[0][1], 0x5410u);
     zb = prmt(z[1][0], z[1][1], 0x5410u);
   }
-  chunk_compute<BITS, MODE, NT, VEC>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
+  chunk_compute<BITS, MODE, NT, VEC>(wa, wb, sc, za, zb, x, kc, acc, zacc);
 }
 
 template <int BITS, QuantMode MODE, int NT, bool VEC, bool GROUP32>
@@ -474,23 +521,21 @@ __device__ __forceinline__ void ring_compute(const char* slot, int g, const Chun
   slot_rows<BITS, MODE, kChunkBlocks>(slot, g, x.t, wa, wb);
   const uint2 sva = *reinterpret_cast<const uint2*>(slot + kCode + 8 * g);
   const uint2 svb = *reinterpret_cast<const uint2*>(slot + kCode + 8 * (g + 8));
-  const uint16_t sa[kChunkBlocks] = {static_cast<uint16_t>(sva.x), static_cast<uint16_t>(sva.x >> 16),
-                                     static_cast<uint16_t>(sva.y), static_cast<uint16_t>(sva.y >> 16)};
-  const uint16_t sb[kChunkBlocks] = {static_cast<uint16_t>(svb.x), static_cast<uint16_t>(svb.x >> 16),
-                                     static_cast<uint16_t>(svb.y), static_cast<uint16_t>(svb.y >> 16)};
+  const ScalePairs<MODE, BITS> sc{{{sva.x, sva.y}, {svb.x, svb.y}}};
   uint32_t za = 0, zb = 0;
   if constexpr (MODE != QuantMode::kSym) {
     za = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 8 * g + 2 * x.jj);
     zb = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 8 * (g + 8) + 2 * x.jj);
   }
-  chunk_compute<BITS, MODE, NT, kWide>(wa, wb, sa, sb, za, zb, x, kc, acc, zacc);
+  chunk_compute<BITS, MODE, NT, kWide>(wa, wb, sc, za, zb, x, kc, acc, zacc);
 }
 
 // ---- keys at head_dim 64: a 64-value ring item ----------------------------------------------------------------------
 // L = 64 is two blocks, half a chunk: no main-loop step, so without this the key GEMV of a head_dim-64 model walked
 // the tail loop, one block of 32-bit loads in flight per warp. An item is a whole 16-row tile, or two consecutive
 // ones (ring64_rows): the codes as 8-byte pieces (8 x BITS bytes per row), each row's two G = 32 scales (zeros) as one
-// 4-byte piece; the zero term folds per block in fp32 as in the tail (block_mma<ZFOLD>). 4-bit rows are padded to 48
+// 4-byte piece; the zero term is one zero MMA per tile in the two-tile kernel (kLoadRing64, below 4 bits), and folds
+// per block in fp32 as in the tail (block_mma<ZFOLD>) in the one-tile items of kLoadRing. 4-bit rows are padded to 48
 // bytes so the 8 rows a warp reads at once (thread t: word 4j + t) fall in distinct banks; the other widths' rows (8,
 // 16, 24 bytes) already do. The stream is RingStream<BITS, MODE, 2, ROWS>.
 
@@ -504,10 +549,14 @@ __host__ __device__ constexpr int ring64_rows() {
 }
 
 // Tile h (rows 16 h + g and 16 h + g + 8) of an item from its slot, blocks 0 and 1 (the register path's word
-// layouts), folded per block.
-template <int BITS, QuantMode MODE, int NT, int ROWS>
+// layouts). ZMMA (the kLoadRing64 kernel): the zero term of both blocks is one zero MMA (zero_steps: x.zfrag is the
+// L = 64 step's fragment), as a chunk's in the 128-value loops; folded per block in fp32 it cost each of a quad's 4
+// threads a zero's conversion, the hybrid select and 2 FFMAs per query slot for every (row, block): 2 hybrid at 8 rows
+// 292 -> 258 instructions an item. Otherwise (kLoadRing's one-tile items: 4 bits, KVKERNELS_GEMV_RING64=0) it folds
+// per block, so that kernel's 128-value loops keep their register allocation (ptxas moved them by up to +0.6).
+template <int BITS, QuantMode MODE, int NT, int ROWS, bool ZMMA>
 __device__ __forceinline__ void ring64_compute(const char* slot, int h, int g, const ChunkCtx& x, const float* xsum,
-                                               const DecodeConsts& kc, float (&acc)[NT][2]) {
+                                               const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
   using Stream = RingStream<BITS, MODE, 2, ROWS>;
   constexpr bool kWide = BITS != 4;
   const int ra = 16 * h + g, rb = ra + 8;
@@ -519,15 +568,28 @@ __device__ __forceinline__ void ring64_compute(const char* slot, int h, int g, c
   if constexpr (MODE != QuantMode::kSym) {
     za = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 4 * ra);
     zb = *reinterpret_cast<const uint32_t*>(slot + Stream::kZeroAt + 4 * rb);
+    if constexpr (ZMMA)
+      zero_mma<NT>(zero_a_pair<MODE>(sa, za), zero_a_pair<MODE>(sb, zb), x.zfrag, x.zfrag_nt_stride, zacc);
   }
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     uint32_t Xa, Xha = 0, Xb, Xhb = 0;
     gather_chunk(wa, j, x.sel_lo, x.sel_hi, Xa, Xha);
     gather_chunk(wb, j, x.sel_lo, x.sel_hi, Xb, Xhb);
-    const auto half = [j](uint32_t pair) { return static_cast<uint16_t>(pair >> (16 * j)); };
-    block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, half(sa), half(za), half(sb), half(zb), x.frag + j * 32,
-                                    x.frag_nt_stride, xsum + j, 2, x.t, kc, acc);
+    if constexpr (ZMMA) {
+      const auto scales = [&] {
+        return AffinePair{{pair_scale<MODE>(sa, j), 0.f}, {pair_scale<MODE>(sb, j), 0.f}};
+      };
+      block_mma<BITS, MODE, NT, false>(Xa, Xha, Xb, Xhb, scales, x.frag + j * 32, x.frag_nt_stride, nullptr, 0, x.t,
+                                       kc, acc);
+    } else {
+      const auto affines = [&] {
+        const auto half = [j](uint32_t pair) { return static_cast<uint16_t>(pair >> (16 * j)); };
+        return AffinePair{group_affine<MODE, BITS>(half(sa), half(za)), group_affine<MODE, BITS>(half(sb), half(zb))};
+      };
+      block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, affines, x.frag + j * 32, x.frag_nt_stride, xsum + j, 2, x.t,
+                                      kc, acc);
+    }
   }
 }
 
@@ -585,6 +647,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
   const int len = static_cast<int>(min(k.split_len, p.L - l0));  // a multiple of 32
   const int nblk = len / 32;
   const int nchunks = len / kChunk;
+  const int nzs = kRing64 ? 1 : nchunks;  // zero-MMA steps (zero_steps: L = 64's only where it is used)
   const uint32_t blk_abs0 = static_cast<uint32_t>(l0 / 32);  // absolute block index of the split's first block
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
@@ -593,8 +656,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
   char* ring = reinterpret_cast<char*>(smem) + warp * ring_warp_bytes(BITS, kZeros);
   uint4* xfrag = reinterpret_cast<uint4*>(reinterpret_cast<char*>(smem) +
                                           (kRing ? nwarps * ring_warp_bytes(BITS, kZeros) : 0));  // [NT][nblk][32]
-  uint2* zfrag = reinterpret_cast<uint2*>(xfrag + NT * nblk * 32);           // [NT][nchunks][32] (zeros)
-  float* xsum = reinterpret_cast<float*>(zfrag + (kZeros ? NT * nchunks * 32 : 0));  // [QR][nblk] (zeros)
+  uint2* zfrag = reinterpret_cast<uint2*>(xfrag + NT * nblk * 32);           // [NT][nzs][32] (zeros)
+  float* xsum = reinterpret_cast<float*>(zfrag + (kZeros ? NT * nzs * 32 : 0));  // [QR][nblk] (zeros)
   float* unscale = xsum + (kZeros ? QR * nblk : 0);                          // [QR] 2^-e per query row
   unsigned* amax = reinterpret_cast<unsigned*>(unscale + QR);                // [QR] float bits of max |xs|
 
@@ -678,15 +741,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       }
     }
     if constexpr (kZeros) {
-      // pass 3: the zero MMA's B fragments from xsum (slot layout: zero_a)
+      // pass 3: the zero MMA's B fragments from xsum (slot layout: zero_a_pair)
       __syncthreads();
 #pragma unroll 1
-      for (int task = warp; task < NT * nchunks; task += nwarps) {
-        const int nt = task / nchunks, c = task - nt * nchunks;
+      for (int task = warp; task < NT * nzs; task += nwarps) {
+        const int nt = task / nzs, c = task - nt * nzs;
         const int q = b_col_row(kKDup, nt, g);
         const bool lo_part = b_col_lo(kKDup, nt, g);
         uint2 f = make_uint2(0u, 0u);
-        if (t < 2) {
+        if (kRing64 ? t == 0 : t < 2) {  // L = 64: blocks 0 and 1, thread 0's slots
           const float* xs = xsum + q * nblk + c * kChunkBlocks + 2 * t;
           const float v0 = xs[0] * (1.f / (1 << kZeroShift)), v1 = xs[1] * (1.f / (1 << kZeroShift));
           const auto part = [&](float v) { const HalfSplit sp = split_half(v); return lo_part ? sp.lo : sp.hi; };
@@ -719,7 +782,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
     cx.frag = xfrag + lane;
     cx.zfrag = zfrag + lane;
     cx.frag_nt_stride = nblk * 32;
-    cx.zfrag_nt_stride = nchunks * 32;
+    cx.zfrag_nt_stride = nzs * 32;
     cx.t = t;
     cx.jj = 2 * (t & 1);
     cx.sel_lo = sel_bytes(2 * t, 2 * t + 1);
@@ -775,8 +838,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         mt += n * nwarps;
       };
       const auto l64_compute = [&](auto rows) {
-        return [&](const char* slot, int h, auto& acc, auto&) {
-          ring64_compute<BITS, MODE, NT, decltype(rows)::value>(slot, h, g, cx, xsum, kc, acc);
+        return [&](const char* slot, int h, auto& acc, auto& zacc) {
+          ring64_compute<BITS, MODE, NT, decltype(rows)::value, kRing64>(slot, h, g, cx, xsum, kc, acc, zacc);
         };
       };
       if constexpr (kRing64) {  // the launcher's L = 64 (nblk == 2)
@@ -855,8 +918,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         load_gather_block<BITS>(r.c[1] + blk * BITS, t, cx.sel_lo, cx.sel_hi, Xb, Xhb);
         const uint16_t za = kZeros ? __ldg(z0 + gi) : uint16_t{0};
         const uint16_t zb = kZeros ? __ldg(z1 + gi) : uint16_t{0};
-        block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, __ldg(r.s[0] + gi), za, __ldg(r.s[1] + gi), zb,
-                                        cx.frag + blk * 32, nblk * 32, xsum + blk, nblk, t, kc, acc);
+        const auto affines = [&] {
+          return AffinePair{group_affine<MODE, BITS>(__ldg(r.s[0] + gi), za),
+                            group_affine<MODE, BITS>(__ldg(r.s[1] + gi), zb)};
+        };
+        block_mma<BITS, MODE, NT, true>(Xa, Xha, Xb, Xhb, affines, cx.frag + blk * 32, nblk * 32, xsum + blk, nblk, t,
+                                        kc, acc);
       }
       // epilogue: thread (g, t) holds rows g and g + 8 of the tile for query row slot_row(nt, t) of each slot
       store_tile<MODE, NT>(outq, usq, ma, acc, zacc, ok_a, ok_b);
