@@ -779,9 +779,10 @@ def loop_row(k: Kernel, s: Spec, loop: Loop, what: str, nbytes: float, ctas: int
 
 def l64_row(k: Kernel, s: Spec, loop: Loop, ctas: int) -> Row:
     """The "key tile (L=64)" row: an item of ring64_tiles 16-row tiles, 2 blocks x 2 k-steps x n-tiles MMAs each, and
-    with zero points one zero MMA per n-tile in the two-tile kernel (the one-tile items fold the zeros in fp32)."""
+    with zero points one zero MMA per n-tile in the two-tile kernel, but at 8 query rows on sm_90 only (the one-tile
+    items and 8 rows before sm_90 fold the zeros in fp32: gemv_inner_q.cu, l64_zero_mma)."""
     tiles_per_item = ring64_tiles(s.bits)
-    per_tile = s.ntiles * (4 + (s.mode != "sym" and s.ring64))
+    per_tile = 4 * s.ntiles + s.ntiles * (s.mode != "sym" and s.ring64 and (s.ntiles == 1 or int(k.arch) >= 90))
     if op_count(k, loop, "HMMA") != per_tile * tiles_per_item:
         raise RuntimeError(
             f"{k.name} (sm_{k.arch}): the L = 64 key loop holds {op_count(k, loop, 'HMMA')} HMMA, not "

@@ -548,12 +548,27 @@ __host__ __device__ constexpr int ring64_rows() {
   return BITS == 4 ? 16 : 32;
 }
 
+// Keys at head_dim 64 in the two-tile kernel (kLoadRing64): the zero term as one zero MMA per tile (ring64_compute's
+// ZMMA), or folded per block in fp32. At 8 query rows (kdup) the zero MMA adds 2 MMAs to a tile's 8; before sm_90
+// (A100, Orin: an m16n8k16 every 4 clocks per SM in the SASS model, H100 every 2) the 1- and 2-bit 8-row tiles are
+// bound by the MMAs there, and with it 1 asym on sm_87 went 16.0 -> 18.0 weighted instructions per byte, 2 asym
+// 11.2 -> 13.3: they fold.
+template <int NT>
+__host__ __device__ constexpr bool l64_zero_mma() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return !kdup<NT>();
+#else
+  return true;
+#endif
+}
+
 // Tile h (rows 16 h + g and 16 h + g + 8) of an item from its slot, blocks 0 and 1 (the register path's word
-// layouts). ZMMA (the kLoadRing64 kernel): the zero term of both blocks is one zero MMA (zero_steps: x.zfrag is the
+// layouts). ZMMA (the kLoadRing64 kernel, l64_zero_mma): the zero term of both blocks is one zero MMA (zero_steps: x.zfrag is the
 // L = 64 step's fragment), as a chunk's in the 128-value loops; folded per block in fp32 it cost each of a quad's 4
 // threads a zero's conversion, the hybrid select and 2 FFMAs per query slot for every (row, block): 2 hybrid at 8 rows
-// 292 -> 258 instructions an item. Otherwise (kLoadRing's one-tile items: 4 bits, KVKERNELS_GEMV_RING64=0) it folds
-// per block, so that kernel's 128-value loops keep their register allocation (ptxas moved them by up to +0.6).
+// 292 -> 258 instructions an item. Otherwise it folds per block: 8 rows before sm_90 (l64_zero_mma), and kLoadRing's
+// one-tile items (4 bits, KVKERNELS_GEMV_RING64=0), so that that kernel's 128-value loops keep their register
+// allocation (ptxas moved them by up to +0.6).
 template <int BITS, QuantMode MODE, int NT, int ROWS, bool ZMMA>
 __device__ __forceinline__ void ring64_compute(const char* slot, int h, int g, const ChunkCtx& x, const float* xsum,
                                                const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
@@ -647,7 +662,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
   const int len = static_cast<int>(min(k.split_len, p.L - l0));  // a multiple of 32
   const int nblk = len / 32;
   const int nchunks = len / kChunk;
-  const int nzs = kRing64 ? 1 : nchunks;  // zero-MMA steps (zero_steps: L = 64's only where it is used)
+  constexpr bool kZeroMma64 = kRing64 && l64_zero_mma<NT>();
+  const int nzs = kRing64 ? kZeroMma64 : nchunks;  // zero-MMA steps (zero_steps: L = 64's only where it is used)
   const uint32_t blk_abs0 = static_cast<uint32_t>(l0 / 32);  // absolute block index of the split's first block
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
@@ -839,7 +855,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       };
       const auto l64_compute = [&](auto rows) {
         return [&](const char* slot, int h, auto& acc, auto& zacc) {
-          ring64_compute<BITS, MODE, NT, decltype(rows)::value, kRing64>(slot, h, g, cx, xsum, kc, acc, zacc);
+          ring64_compute<BITS, MODE, NT, decltype(rows)::value, kZeroMma64>(slot, h, g, cx, xsum, kc, acc, zacc);
         };
       };
       if constexpr (kRing64) {  // the launcher's L = 64 (nblk == 2)
