@@ -386,7 +386,9 @@ def half_tile_loop(k: Kernel, hot: Loop, key: Loop | None) -> Loop | None:
     """The InnerQ key-tile loop at head_dim 64 (L = 64: the ring's items of ring64_tiles half-chunk tiles), or None:
     besides the steady-state and L = 128 key-tile loops, the innermost loop that stores its results and holds the most
     HMMA (2 blocks per tile, against the chunk's 4; the one-tile loop that takes a store's last tiles holds half as
-    many below 4 bits, and the general tiles' tail stores nothing inside its loop)."""
+    many below 4 bits, and the general tiles' tail stores nothing inside its loop). With zero points the kernel has two
+    such tile-pair loops, one that checks each store for query rows past the last and one for passes without them
+    (every q_len-1 decode at GQA 4 or 8): of equal HMMA counts the shorter one, i.e. the latter, is taken."""
     loops = find_loops(k)
     innermost = [lp for lp in loops if not any(lp.contains(o) for o in loops) and lp not in (hot, key)]
     cands = [lp for lp in innermost if op_count(k, lp, "HMMA") > 0 and op_count(k, lp, "STG") > 0]
@@ -587,10 +589,12 @@ KNOWN_OVER: dict[tuple, float] = {
     # (fold, unscale, stores) stays, over 64 values instead of 128. 3 and 2 sym at 4 rows are now within the budget.
     # Since 2026-11-29 (a later session) the zero term of a tile is one zero MMA, as a chunk's at L = 128, not a zero's
     # conversion, the hybrid select and 2 FFMAs per query slot for each (row, block) in each thread of a quad: 2 hybrid
-    # 10.5 / 12.2 -> 8.5 (within the budget) / 10.8 at 4 / 8 rows, 1 asym 12.7 / 15.9 -> 12.1 / 14.7.
-    ("inner_q", 1, "asym", 4, 0, "key tile (L=64)"): 12.2,
-    ("inner_q", 1, "asym", 8, 0, "key tile (L=64)"): 14.8,
-    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=64)"): 10.9,
+    # 10.5 / 12.2 -> 8.5 (within the budget) / 10.8 at 4 / 8 rows, 1 asym 12.7 / 15.9 -> 12.1 / 14.7. Then the modes
+    # with zeros store a pass without query rows past the last without checking for them (ptxas had made the check
+    # branches around the epilogue): 2 hybrid at 8 rows 10.8 -> 10.1, 1 asym 12.1 / 14.7 -> 11.2 / 13.6.
+    ("inner_q", 1, "asym", 4, 0, "key tile (L=64)"): 11.3,
+    ("inner_q", 1, "asym", 8, 0, "key tile (L=64)"): 13.7,
+    ("inner_q", 2, "hybrid", 8, 0, "key tile (L=64)"): 10.2,
     ("inner_q", 3, "sym", 8, 0, "key tile (L=64)"): 10.7,
     # KIVI 1 bit through its ring (the preset rows since the ring): 10.6 / 11.7 with register loads, which model
     # latency-bound at 40 % (8 KB in flight per SM); the ring's shared-memory reads add ~8 / ~12 instructions a step

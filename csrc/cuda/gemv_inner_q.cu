@@ -629,13 +629,13 @@ __device__ __forceinline__ void zero_tile(float (&acc)[NT][2], float (&zacc)[NT]
 
 // Epilogue of a tile: thread (g, t) writes rows ma = g (if store_a) and ma + 8 (if store_b) for query row slot_row(nt,
 // t) of each slot (outq[nt] null: past the last query row), unscaled.
-template <QuantMode MODE, int NT>
+template <QuantMode MODE, int NT, bool kAllRows = false>
 __device__ __forceinline__ void store_tile(float* const (&outq)[NT], const float (&usq)[NT], int64_t ma,
                                            const float (&acc)[NT][2], const float (&zacc)[NT][4], bool store_a,
                                            bool store_b) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    if (outq[nt] == nullptr) continue;
+    if (!kAllRows && outq[nt] == nullptr) continue;
     if (store_a) outq[nt][ma] = tile_result<MODE, NT>(acc, zacc, nt, 0) * usq[nt];
     if (store_b) outq[nt][ma + 8] = tile_result<MODE, NT>(acc, zacc, nt, 1) * usq[nt];
   }
@@ -827,7 +827,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       // the ring's item is ROWS / 16 consecutive whole tiles of BLOCKS 32-value blocks per row: one tile of 4 (L =
       // 128), or ring64_rows of 2 (L = 64, keys at head_dim 64); kRing implies G = 32. The warp's n items start at its
       // tile mt and advance by that many tiles per warp. compute(slot, h, acc, zacc) adds tile h's products.
-      const auto ring_tiles = [&](auto blocks, auto rows, int n, const auto& compute) {
+      const auto ring_tiles = [&](auto blocks, auto rows, int n, const auto& compute, auto all_rows) {
         constexpr int BLOCKS = decltype(blocks)::value, ROWS = decltype(rows)::value, kTiles = ROWS / 16;
         RingStream<BITS, MODE, BLOCKS, ROWS> st = ring_stream<BITS, MODE, BLOCKS, ROWS>(
             ring, n, ma - g, m_end - 1, c_bh, p.c_sm, s_bh, p.s_sm, zg, p.z_sm, 4 * kTiles * step * p.c_sm,
@@ -840,7 +840,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
                 float acc[NT][2], zacc[NT][4];
                 zero_tile(acc, zacc);
                 compute(slot, h, acc, zacc);
-                store_tile<MODE, NT>(outq, usq, ma + 16 * h, acc, zacc, true, true);
+                store_tile<MODE, NT, decltype(all_rows)::value>(outq, usq, ma + 16 * h, acc, zacc, true, true);
               }
               ma += kTiles * step;
             },
@@ -850,7 +850,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       // items of one tile: the warp's share of the full tiles from mt on (mt = warp + a multiple of nwarps)
       const auto one_tile_items = [&](auto blocks, const auto& compute) {
         const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
-        ring_tiles(blocks, std::integral_constant<int, 16>{}, n, compute);
+        ring_tiles(blocks, std::integral_constant<int, 16>{}, n, compute, std::false_type{});
         mt += n * nwarps;
       };
       const auto l64_compute = [&](auto rows) {
@@ -865,7 +865,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         const int pairs = full_tiles / (2 * nwarps);
         if (pairs > 0) {
           mt = 2 * warp, ma = m_begin + 16 * mt + g;
-          ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}));
+          // A pass without query rows past the last (every q_len-1 decode at GQA 4 or 8) stores without checking
+          // for them. With zero points ptxas made that check branches with convergence barriers around the epilogue
+          // (BSSY / BSYNC; 2 hybrid at 8 rows 258 -> 242 instructions an item without them); sym's stores were
+          // predicated already, and a second loop there only moved its allocation (2 sym at 8 rows +3).
+          if (kZeros && q0 + QR <= k.qb)
+            ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}), std::true_type{});
+          else
+            ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}), std::false_type{});
           mt = 2 * pairs * nwarps + warp, ma = m_begin + 16 * mt + g;
         }
         one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}));

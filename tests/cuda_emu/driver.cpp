@@ -1491,6 +1491,11 @@ int main(int argc, char** argv) {
                    0, 0, 1, false, 1, 1, bits != 4);
     inner_q_case(1, 16, 2, 1, true, 565, 64, 2, 32, QuantMode::kHybrid, XDtype::kBF16, false, 0, 0, 0, 1, false, 1, 1,
                  1);
+    // ... 12 query rows (GQA 4 x q_len 3): a pass of 8 rows that stores without checking for rows past the last (modes
+    // with zeros), then one of 4 whose other 4 slots the checked stores skip, both through the tile pairs
+    for (int bits : {1, 2})
+      inner_q_case(1, 4, 1, 3, true, 565, 64, bits, 32, bits == 1 ? QuantMode::kAsym : QuantMode::kHybrid,
+                   XDtype::kF16, false, 0, 0, 0, 1, false, 1, 1, 1);
     setenv("KVKERNELS_GEMV_RING64", "0", 1);
     inner_q_case(1, 8, 2, 1, false, 565, 64, 3, 32, QuantMode::kSym, XDtype::kF16, true, 0, 0, 0, 1, false, 1, 1, 0);
     unsetenv("KVKERNELS_GEMV_RING64");
