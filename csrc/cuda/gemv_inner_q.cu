@@ -563,12 +563,12 @@ __host__ __device__ constexpr bool l64_zero_mma() {
 }
 
 // Tile h (rows 16 h + g and 16 h + g + 8) of an item from its slot, blocks 0 and 1 (the register path's word
-// layouts). ZMMA (the kLoadRing64 kernel, l64_zero_mma): the zero term of both blocks is one zero MMA (zero_steps: x.zfrag is the
-// L = 64 step's fragment), as a chunk's in the 128-value loops; folded per block in fp32 it cost each of a quad's 4
-// threads a zero's conversion, the hybrid select and 2 FFMAs per query slot for every (row, block): 2 hybrid at 8 rows
-// 292 -> 258 instructions an item. Otherwise it folds per block: 8 rows before sm_90 (l64_zero_mma), and kLoadRing's
-// one-tile items (4 bits, KVKERNELS_GEMV_RING64=0), so that that kernel's 128-value loops keep their register
-// allocation (ptxas moved them by up to +0.6).
+// layouts). ZMMA (the kLoadRing64 kernel, l64_zero_mma): the zero term of both blocks is one zero MMA (zero_steps:
+// x.zfrag is the L = 64 step's fragment), as a chunk's in the 128-value loops; folded per block in fp32 it cost each
+// of a quad's 4 threads a zero's conversion, the hybrid select and 2 FFMAs per query slot for every (row, block): 2
+// hybrid at 8 rows 292 -> 258 instructions an item. Otherwise it folds per block: 8 rows before sm_90
+// (l64_zero_mma), and kLoadRing's one-tile items (4 bits, KVKERNELS_GEMV_RING64=0), so that that kernel's 128-value
+// loops keep their register allocation (ptxas moved them by up to +0.6).
 template <int BITS, QuantMode MODE, int NT, int ROWS, bool ZMMA>
 __device__ __forceinline__ void ring64_compute(const char* slot, int h, int g, const ChunkCtx& x, const float* xsum,
                                                const DecodeConsts& kc, float (&acc)[NT][2], float (&zacc)[NT][4]) {
@@ -827,6 +827,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
       // the ring's item is ROWS / 16 consecutive whole tiles of BLOCKS 32-value blocks per row: one tile of 4 (L =
       // 128), or ring64_rows of 2 (L = 64, keys at head_dim 64); kRing implies G = 32. The warp's n items start at its
       // tile mt and advance by that many tiles per warp. compute(slot, h, acc, zacc) adds tile h's products.
+      // all_rows (std::true_type): the pass has no query rows past the last (every q_len-1 decode at GQA 4 or 8), so
+      // the stores skip that check. The callers take it for modes with zero points only (unchecked): there ptxas
+      // made the check branches with convergence barriers (BSSY / BSYNC) around the epilogue, the zero MMA's fold
+      // sunk into them (2 hybrid at 8 rows: 258 -> 239 instructions an item at L = 64, 221 -> 203 a tile at L = 128);
+      // sym's stores were predicated already, and a second loop there only moved the allocation (2 sym at 8 rows,
+      // L = 64: +3).
+      const bool unchecked = kZeros && q0 + QR <= k.qb;
       const auto ring_tiles = [&](auto blocks, auto rows, int n, const auto& compute, auto all_rows) {
         constexpr int BLOCKS = decltype(blocks)::value, ROWS = decltype(rows)::value, kTiles = ROWS / 16;
         RingStream<BITS, MODE, BLOCKS, ROWS> st = ring_stream<BITS, MODE, BLOCKS, ROWS>(
@@ -848,9 +855,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         prefilled = false;
       };
       // items of one tile: the warp's share of the full tiles from mt on (mt = warp + a multiple of nwarps)
-      const auto one_tile_items = [&](auto blocks, const auto& compute) {
+      const auto one_tile_items = [&](auto blocks, const auto& compute, auto all_rows) {
         const int n = full_tiles > mt ? (full_tiles - mt + nwarps - 1) / nwarps : 0;
-        ring_tiles(blocks, std::integral_constant<int, 16>{}, n, compute, std::false_type{});
+        ring_tiles(blocks, std::integral_constant<int, 16>{}, n, compute, all_rows);
         mt += n * nwarps;
       };
       const auto l64_compute = [&](auto rows) {
@@ -865,24 +872,26 @@ __global__ void __launch_bounds__(kMaxWarps * 32, kMinCtasPerSm) gemv_inner_q_ke
         const int pairs = full_tiles / (2 * nwarps);
         if (pairs > 0) {
           mt = 2 * warp, ma = m_begin + 16 * mt + g;
-          // A pass without query rows past the last (every q_len-1 decode at GQA 4 or 8) stores without checking
-          // for them. With zero points ptxas made that check branches with convergence barriers around the epilogue
-          // (BSSY / BSYNC; 2 hybrid at 8 rows 258 -> 242 instructions an item without them); sym's stores were
-          // predicated already, and a second loop there only moved its allocation (2 sym at 8 rows +3).
-          if (kZeros && q0 + QR <= k.qb)
+          if (unchecked)
             ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}), std::true_type{});
           else
             ring_tiles(std::integral_constant<int, 2>{}, Pair{}, pairs, l64_compute(Pair{}), std::false_type{});
           mt = 2 * pairs * nwarps + warp, ma = m_begin + 16 * mt + g;
         }
-        one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}));
+        one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}),
+                       std::false_type{});
       } else if (nblk == kChunkBlocks) {
-        one_tile_items(std::integral_constant<int, kChunkBlocks>{}, [&](const char* slot, int, auto& acc, auto& zacc) {
+        const auto compute = [&](const char* slot, int, auto& acc, auto& zacc) {
           ring_compute<BITS, MODE, NT>(slot, g, cx, kc, acc, zacc);
-        });
+        };
+        if (unchecked)
+          one_tile_items(std::integral_constant<int, kChunkBlocks>{}, compute, std::true_type{});
+        else
+          one_tile_items(std::integral_constant<int, kChunkBlocks>{}, compute, std::false_type{});
       } else if (nblk == 2) {
         // keys at head_dim 64 in one-tile items: 4 bits (ring64_rows), and the others under KVKERNELS_GEMV_RING64=0
-        one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}));
+        one_tile_items(std::integral_constant<int, 2>{}, l64_compute(std::integral_constant<int, 16>{}),
+                       std::false_type{});
       }
     } else if (nblk == kChunkBlocks && k.bpg == 1) {
       RowPair r = rows_at(ma, ma + 8);

@@ -1496,6 +1496,10 @@ int main(int argc, char** argv) {
     for (int bits : {1, 2})
       inner_q_case(1, 4, 1, 3, true, 565, 64, bits, 32, bits == 1 ? QuantMode::kAsym : QuantMode::kHybrid,
                    XDtype::kF16, false, 0, 0, 0, 1, false, 1, 1, 1);
+    // ... and the L = 128 key tiles the same way (their one-tile ring items)
+    for (int bits : {1, 3})
+      inner_q_case(1, 4, 1, 3, true, 300, 128, bits, 32, bits == 1 ? QuantMode::kAsym : QuantMode::kHybrid,
+                   XDtype::kBF16, false, 0, 0, 0, 1, false, 1, 1);
     setenv("KVKERNELS_GEMV_RING64", "0", 1);
     inner_q_case(1, 8, 2, 1, false, 565, 64, 3, 32, QuantMode::kSym, XDtype::kF16, true, 0, 0, 0, 1, false, 1, 1, 0);
     unsetenv("KVKERNELS_GEMV_RING64");
